@@ -1,0 +1,29 @@
+# The two set-up commands of the README. Each creates .venv when missing, installs the
+# package with the extras it needs, then runs.
+PYTHON ?= python3
+VENV ?= .venv
+BIN := $(VENV)/bin
+STAMP := $(VENV)/.installed
+
+.PHONY: demo test test-fast bench clean
+
+$(STAMP): pyproject.toml
+	test -x $(BIN)/python || $(PYTHON) -m venv $(VENV)
+	$(BIN)/python -m pip install --quiet --upgrade pip
+	$(BIN)/python -m pip install --quiet -e ".[dev,examples]"
+	touch $(STAMP)
+
+demo: $(STAMP)
+	$(BIN)/dppvi demo
+
+test: $(STAMP)
+	$(BIN)/python -m pytest -q -ra
+
+test-fast: $(STAMP)
+	$(BIN)/python -m pytest -q -m "not slow"
+
+bench: $(STAMP)
+	$(BIN)/dppvi bench
+
+clean:
+	rm -rf $(VENV) .pytest_cache build *.egg-info

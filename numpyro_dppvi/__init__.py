@@ -1,0 +1,3 @@
+"""numpyro_dppvi: differentially private, federated Bayesian inference for NumPyro."""
+
+__version__ = "0.1.0"
