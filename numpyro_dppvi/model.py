@@ -1,0 +1,283 @@
+"""The NumPyro model adapter (DESIGN §3).
+
+``@dppvi.model`` marks an ordinary NumPyro model whose data are passed positionally as arrays with
+the individual on the leading axis. :class:`ModelAdapter` traces it once and classifies its sites:
+
+* global latent sites (outside the privacy plate) are inferred; they live on the unconstrained
+  space ``u = T^{-1}(theta)`` with ``T = biject_to(site.support)``, flattened in trace order into
+  one vector of static layout;
+* observed sites inside the privacy plate form the likelihood;
+* latent sites inside the privacy plate and discrete latent sites are rejected with a clear error.
+
+The per-example log-likelihood ``log p(x_i | theta)`` is the model run on a batch of one row with
+the latent values substituted, summing the log-probabilities of observed sites only (no Jacobian),
+``vmap``-ed over rows.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Any, Callable, Sequence
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import numpyro.distributions as dist
+from numpyro import handlers
+from numpyro.distributions.transforms import biject_to
+
+from .factors import Gaussian
+
+_MARK = "_dppvi_privacy_plate"
+
+
+def model(fn: Callable | None = None, *, privacy_plate: str | None = None):
+    """Mark a NumPyro model for ``numpyro_dppvi``.
+
+    Usable as ``@dppvi.model`` or ``@dppvi.model(privacy_plate="data")``. The model is returned
+    unchanged apart from the recorded plate name; without a name the privacy plate is the plate
+    whose size follows the number of rows passed in.
+    """
+
+    def mark(f):
+        if not callable(f):
+            raise TypeError("@dppvi.model decorates a NumPyro model function")
+        setattr(f, _MARK, privacy_plate)
+        if not hasattr(f, "_dppvi_marked"):
+            setattr(f, "_dppvi_marked", True)
+        return f
+
+    return mark(fn) if fn is not None else mark
+
+
+@dataclass(frozen=True)
+class Site:
+    """Static layout of one global latent site."""
+
+    name: str
+    shape: tuple  # constrained shape
+    unconstrained_shape: tuple
+    offset: int
+    size: int
+    transform: Any
+    gaussian_prior: bool  # exact N(loc, scale) prior on a real support
+
+
+def _frames(site) -> list[str]:
+    return [f.name for f in site["cond_indep_stack"]]
+
+
+def _is_constant_normal(fn) -> bool:
+    base = fn
+    while isinstance(base, (dist.Independent, dist.ExpandedDistribution)):
+        base = base.base_dist
+    return type(base) is dist.Normal
+
+
+def _normal_loc_scale(fn, shape):
+    base = fn
+    while isinstance(base, (dist.Independent, dist.ExpandedDistribution)):
+        base = base.base_dist
+    return jnp.broadcast_to(base.loc, shape), jnp.broadcast_to(base.scale, shape)
+
+
+def _as_arrays(data: Sequence) -> tuple:
+    if isinstance(data, (np.ndarray, jax.Array)):
+        data = (data,)
+    if not isinstance(data, (tuple, list)) or len(data) == 0:
+        raise TypeError("data must be a tuple of arrays, e.g. (x, y), with the individual on axis 0")
+    arrays = tuple(jnp.asarray(a) for a in data)
+    if any(a.ndim == 0 for a in arrays):
+        raise ValueError("every data array needs a leading axis over individuals; got a scalar")
+    n = {int(a.shape[0]) for a in arrays}
+    if len(n) != 1:
+        raise ValueError(
+            f"data arrays disagree on their leading (individual) dimension: {[a.shape for a in arrays]}; "
+            "pass arrays with one row per individual in each"
+        )
+    return arrays
+
+
+class ModelAdapter:
+    """Traces a ``@dppvi.model`` once on example data and exposes the pieces PVI needs.
+
+    Attributes: ``sites`` (global latent layout), ``dim`` (length of ``u``), ``plate`` (privacy
+    plate name), ``observed`` (observed site names), ``prior`` (natural parameters of the exact
+    Gaussian part of the prior; zero on coordinates of non-Gaussian priors), ``server_mask``
+    (coordinates whose prior is held by the server factor ``t_0``).
+    """
+
+    def __init__(self, model_fn: Callable, example_data: Sequence):
+        if not callable(model_fn):
+            raise TypeError("model must be a NumPyro model function")
+        self.model = model_fn
+        arrays = _as_arrays(example_data)
+        n = int(arrays[0].shape[0])
+        if n < 3:
+            raise ValueError(f"need at least 3 rows of example data to trace the model, got {n}")
+        self.num_data_args = len(arrays)
+        requested = getattr(model_fn, _MARK, None)
+        tr2 = self._trace([a[:2] for a in arrays], seed=0)
+        tr3 = self._trace([a[:3] for a in arrays], seed=1)
+        self.plate = self._find_privacy_plate(tr2, tr3, requested)
+        self._classify(tr2, tr3)
+        self.example_row = tuple(a[:1] for a in arrays)
+
+    # -- tracing -------------------------------------------------------------------------------
+    def _trace(self, arrays, seed):
+        try:
+            return handlers.trace(handlers.seed(self.model, seed)).get_trace(*arrays)
+        except Exception as exc:  # the user's model failed: say where
+            raise ValueError(f"running the model on example data failed: {type(exc).__name__}: {exc}") from exc
+
+    @staticmethod
+    def _find_privacy_plate(tr2, tr3, requested):
+        plates2 = {k: v["args"][0] for k, v in tr2.items() if v["type"] == "plate"}
+        plates3 = {k: v["args"][0] for k, v in tr3.items() if v["type"] == "plate"}
+        if requested is not None:
+            if requested not in plates2:
+                raise ValueError(f"privacy plate {requested!r} not found in the model; its plates: {sorted(plates2)}")
+            return requested
+        tracking = [k for k in plates2 if plates2[k] == 2 and plates3.get(k) == 3]
+        if not tracking:
+            raise ValueError(
+                "no privacy plate found: wrap the likelihood in `with numpyro.plate(name, x.shape[0])` "
+                "whose size is the number of rows (one row = one protected individual)"
+            )
+        if len(tracking) > 1:
+            raise ValueError(
+                f"several plates follow the number of rows: {tracking}; name the privacy plate with "
+                "@dppvi.model(privacy_plate=...)"
+            )
+        return tracking[0]
+
+    def _classify(self, tr2, tr3):
+        sites, observed, offset = [], [], 0
+        prior_eta1, prior_eta2, server = [], [], []
+        self.bernoulli_observed = True
+        for name, site in tr2.items():
+            if site["type"] != "sample":
+                continue
+            in_plate = self.plate in _frames(site)
+            if site["is_observed"]:
+                if not in_plate:
+                    raise ValueError(
+                        f"observed site {name!r} is outside the privacy plate {self.plate!r}; every "
+                        "observation must belong to one individual (put it inside the plate)"
+                    )
+                observed.append(name)
+                base = site["fn"]
+                while isinstance(base, (dist.Independent, dist.ExpandedDistribution, dist.MaskedDistribution)):
+                    base = base.base_dist
+                if not isinstance(base, (dist.BernoulliLogits, dist.BernoulliProbs)):
+                    self.bernoulli_observed = False
+                continue
+            if in_plate:
+                raise ValueError(
+                    f"latent site {name!r} is inside the privacy plate {self.plate!r}: per-individual "
+                    "latent variables are not supported by fit_dppvi; use fit_vips (conjugate models) "
+                    "or fit_vfl, or integrate the variable out of the likelihood"
+                )
+            fn = site["fn"]
+            if fn.support.is_discrete:
+                raise ValueError(
+                    f"latent site {name!r} is discrete; PVI infers continuous latents only: "
+                    "marginalise it out or make it observed"
+                )
+            value = site["value"]
+            shape = tuple(jnp.shape(value))
+            transform = biject_to(fn.support)
+            ushape = tuple(transform.inverse_shape(shape))
+            size = int(np.prod(ushape, dtype=int))
+            other = tr3[name]["fn"]
+            gaussian = (
+                _is_constant_normal(fn)
+                and _is_constant_normal(other)
+                and np.allclose(np.asarray(_normal_loc_scale(fn, shape)[0]), np.asarray(_normal_loc_scale(other, shape)[0]))
+                and np.allclose(np.asarray(_normal_loc_scale(fn, shape)[1]), np.asarray(_normal_loc_scale(other, shape)[1]))
+            )
+            if gaussian:
+                loc, sc = _normal_loc_scale(fn, shape)
+                prec = 1.0 / jnp.square(sc)
+                prior_eta1.append(jnp.reshape(loc * prec, -1))
+                prior_eta2.append(jnp.reshape(-0.5 * prec, -1))
+                server.append(jnp.zeros(size, bool))
+            else:
+                prior_eta1.append(jnp.zeros(size))
+                prior_eta2.append(jnp.zeros(size))
+                server.append(jnp.ones(size, bool))
+            sites.append(Site(name, shape, ushape, offset, size, transform, bool(gaussian)))
+            offset += size
+        if not observed:
+            raise ValueError(
+                "the model has no observed site: pass the data to `numpyro.sample(..., obs=...)` "
+                "inside the privacy plate"
+            )
+        if not sites:
+            raise ValueError("the model has no latent site to infer")
+        self.sites = tuple(sites)
+        self.observed = tuple(observed)
+        self.dim = offset
+        self.prior = Gaussian(jnp.concatenate(prior_eta1).astype(jnp.float32), jnp.concatenate(prior_eta2).astype(jnp.float32))
+        self.server_mask = jnp.concatenate(server)
+        self.has_server_factor = bool(np.any(np.asarray(self.server_mask)))
+
+    # -- layout --------------------------------------------------------------------------------
+    def unflatten(self, u: jax.Array) -> dict:
+        """Flat unconstrained vector -> dict of unconstrained site arrays."""
+        return {s.name: jnp.reshape(u[s.offset : s.offset + s.size], s.unconstrained_shape) for s in self.sites}
+
+    def constrain(self, u: jax.Array) -> dict:
+        """Flat unconstrained vector ``u`` -> dict of constrained values ``T(u)`` per site."""
+        parts = self.unflatten(u)
+        return {s.name: s.transform(parts[s.name]) for s in self.sites}
+
+    def unconstrain(self, values: dict) -> jax.Array:
+        return jnp.concatenate([jnp.reshape(s.transform.inv(values[s.name]), -1) for s in self.sites])
+
+    def log_abs_det_jacobian(self, u: jax.Array) -> jax.Array:
+        parts = self.unflatten(u)
+        total = 0.0
+        for s in self.sites:
+            x = s.transform(parts[s.name])
+            total = total + jnp.sum(s.transform.log_abs_det_jacobian(parts[s.name], x))
+        return total
+
+    # -- densities -----------------------------------------------------------------------------
+    def _run(self, values: dict, arrays):
+        return handlers.trace(handlers.substitute(handlers.seed(self.model, 0), data=values)).get_trace(*arrays)
+
+    def log_lik_row(self, u: jax.Array, row: tuple) -> jax.Array:
+        """``log p(x_i | theta = T(u))`` for one row (arrays without the leading axis)."""
+        tr = self._run(self.constrain(u), tuple(jnp.expand_dims(a, 0) for a in row))
+        return sum(jnp.sum(tr[name]["fn"].log_prob(tr[name]["value"])) for name in self.observed)
+
+    def log_lik_rows(self, u: jax.Array, arrays: tuple) -> jax.Array:
+        """Per-example log-likelihood, ``[n]``, by ``vmap`` over rows."""
+        return jax.vmap(self.log_lik_row, in_axes=(None, 0))(u, tuple(arrays))
+
+    def server_log_density(self, u: jax.Array) -> jax.Array:
+        """``log p(T(u)) + log|J(u)|`` of the sites whose prior the server factor ``t_0`` holds."""
+        if not self.has_server_factor:
+            return jnp.zeros(())
+        parts = self.unflatten(u)
+        values = {s.name: s.transform(parts[s.name]) for s in self.sites}
+        tr = self._run(values, self.example_row)
+        total = 0.0
+        for s in self.sites:
+            if s.gaussian_prior:
+                continue
+            total = total + jnp.sum(tr[s.name]["fn"].log_prob(values[s.name]))
+            total = total + jnp.sum(s.transform.log_abs_det_jacobian(parts[s.name], values[s.name]))
+        return total
+
+    def validate_data(self, arrays: Sequence, what: str = "data") -> tuple:
+        arrays = _as_arrays(arrays)
+        if len(arrays) != self.num_data_args:
+            raise ValueError(
+                f"{what} has {len(arrays)} array(s) but the model was traced with {self.num_data_args}"
+            )
+        for a, ref in zip(arrays, self.example_row):
+            if a.shape[1:] != ref.shape[1:]:
+                raise ValueError(f"{what}: row shape {a.shape[1:]} differs from the model's {ref.shape[1:]}")
+        return arrays
