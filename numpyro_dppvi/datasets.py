@@ -145,7 +145,8 @@ KNOWN_FILES: dict[str, _Known] = {
 
 
 def data_home() -> Path:
-    """The data home: ``$NUMPYRO_DPPVI_DATA`` if set and non-empty, else ``~/.cache/numpyro_dppvi``."""
+    """The data home: ``$NUMPYRO_DPPVI_DATA`` if set and non-empty, else
+    ``~/.cache/numpyro_dppvi``."""
     env = os.environ.get(DATA_HOME_ENV, "").strip()
     if env:
         return Path(env).expanduser()
@@ -213,9 +214,13 @@ def dataset_path(relpath: str, verify: bool = True) -> Path:
     return _verify(path, relpath) if verify else path
 
 
+def _bundled_dir():
+    return importlib.resources.files("numpyro_dppvi") / "datasets_bundled"
+
+
 def _bundled_or_home(name: str, verify: bool) -> Path:
     """Bundled Adult file, else the data-home copy."""
-    resource = importlib.resources.files("numpyro_dppvi") / "datasets_bundled" / name
+    resource = _bundled_dir() / name
     if resource.is_file():
         path = Path(str(resource))
         return _verify(path, f"adult/{name}") if verify else path
@@ -241,7 +246,9 @@ _ADULT_COLUMNS = (
     "occupation", "relationship", "race", "sex", "capital-gain", "capital-loss",
     "hours-per-week", "native-country", "income",
 )  # fmt: skip
-_ADULT_NUMERIC = ("age", "fnlwgt", "education-num", "capital-gain", "capital-loss", "hours-per-week")
+_ADULT_NUMERIC = (
+    "age", "fnlwgt", "education-num", "capital-gain", "capital-loss", "hours-per-week",
+)  # fmt: skip
 _ADULT_ROWS = 48_842
 
 
@@ -342,7 +349,7 @@ def load_adult(split: str = "train_test", test_fraction: float = 0.2, seed=0, dt
         )
     perm = np.random.default_rng(seed).permutation(n)
     train, test = perm[: n - n_test], perm[n - n_test :]
-    return x[train].astype(dtype), y[train].astype(dtype), x[test].astype(dtype), y[test].astype(dtype)
+    return tuple(a[rows].astype(dtype) for rows in (train, test) for a in (x, y))
 
 
 def adult_feature_names() -> list[str]:

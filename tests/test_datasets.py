@@ -118,6 +118,16 @@ def test_corrupted_csv_fails_the_loader(empty_home):
         datasets.load_heart()
 
 
+def test_adult_falls_back_to_the_data_home(empty_home, monkeypatch):
+    monkeypatch.setattr(datasets, "_bundled_dir", lambda: empty_home / "not-bundled")
+    with pytest.raises(DatasetNotFoundError, match=r"adult/adult.test.gz .*archive.ics.uci.edu"):
+        datasets._bundled_or_home("adult.test.gz", verify=True)
+    (empty_home / "adult").mkdir()
+    copy = empty_home / "adult" / "adult.test.gz"
+    copy.write_bytes(_bundled("adult.test.gz").read_bytes())
+    assert datasets._bundled_or_home("adult.test.gz", verify=True) == copy
+
+
 def test_bundled_adult_files_are_the_known_ones():
     import hashlib
 
@@ -187,7 +197,8 @@ def test_adult_partition_on_paper_splits():
     x, y, _, _ = load_adult(seed=0)
     n, M = y.shape[0], 10
     lam = 1.0 - float(y.mean())  # majority class is "<=50K" (y = 0)
-    for rho, kappa, paper_small_majority in [(0.0, 0.0, 0.76), (0.75, 0.95, 0.99), (0.7, -3.0, 0.03)]:
+    paper = [(0.0, 0.0, 0.76), (0.75, 0.95, 0.99), (0.7, -3.0, 0.03)]  # rho, kappa, lambda_small
+    for rho, kappa, paper_small_majority in paper:
         clients = partition((x, y), M, rho=rho, kappa=kappa, labels=y, seed=0)
         assert sum(len(c[1]) for c in clients) == n
         small = clients[: M // 2]
