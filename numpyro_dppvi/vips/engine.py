@@ -1,0 +1,178 @@
+"""The conjugate-exponential model interface and the ESS-level operations VIPS is built from.
+
+A conjugate-exponential (CE) model (VIPS paper, Park et al. 2020, §2.5.3) has global
+parameters ``m`` with a conjugate prior of natural parameters ``nu`` and a complete-data
+likelihood ``p(D_n, l_n | m) ∝ exp(n(m)^T s(D_n, l_n))``. Variational Bayes alternates
+
+    E-step: q(l_n) from the expected natural parameters  n̄ = E_q(m)[n(m)]       (Eq. 18)
+            -> expected sufficient statistics (ESS)   s̄_n = E_q(l_n)[s(D_n, l_n)]
+    M-step: q(m) with natural parameters  ν̃ = ν + N s̄                          (Eq. 19)
+
+and the data enter the M-step only through the summed ESS. VIPS privatises exactly that
+sum (§3): each example's ESS is clipped block by block to a declared L2 bound, the
+blocks are rescaled by their bounds and released together with one Gaussian draw.
+
+This module holds the interface (:class:`ConjugateModel`, with defaults in
+:class:`ConjugateModelBase`) and the pure functions on ESS pytrees: per-example block
+clipping, the clipped minibatch sum, the joint Gaussian release and the step size.
+The driver that loops over iterations is :mod:`numpyro_dppvi.vips.fit`.
+"""
+
+from __future__ import annotations
+
+import math
+from typing import Any, Mapping, Protocol, runtime_checkable
+
+import jax
+import jax.numpy as jnp
+
+Params = Any  # pytree of the global variational parameters (natural parameters + hyper)
+ESS = dict  # block name -> array (per example, or summed over examples)
+
+
+@runtime_checkable
+class ConjugateModel(Protocol):
+    """What :func:`fit_vips` needs from a conjugate-exponential model.
+
+    Attributes:
+        block_bounds: block name -> bound on the L2 (Frobenius) norm of ONE example's
+            contribution to that ESS block. Clipping enforces it; the sensitivity
+            argument of the release rests on it.
+        symmetric_blocks: names of blocks whose last two axes are a symmetric matrix
+            (noise is drawn on the upper triangle and mirrored, as Analyze Gauss does).
+    """
+
+    block_bounds: Mapping[str, float]
+    symmetric_blocks: tuple
+
+    def prior_params(self) -> Params: ...
+
+    def init_params(self, rng_key) -> Params: ...
+
+    def expected_natural_params(self, params: Params) -> Any: ...
+
+    def example_ess(self, expected_natural_params: Any, example: tuple) -> ESS: ...
+
+    def clipped_ess_sum(self, expected_natural_params, batch, mask, bounds) -> tuple: ...
+
+    def postprocess_noisy_ess(self, ess_total: ESS) -> ESS: ...
+
+    def m_step(self, params: Params, ess_total: ESS) -> Params: ...
+
+    def refresh(self, params: Params) -> Params: ...
+
+    def validate_data(self, data: tuple) -> tuple: ...
+
+    def sample_posterior(self, params: Params, rng_key, num_samples: int) -> dict: ...
+
+
+_REQUIRED_METHODS = ("prior_params", "expected_natural_params", "example_ess", "m_step",
+                     "clipped_ess_sum", "sample_posterior")
+
+
+def is_conjugate_model(obj) -> bool:
+    """True when ``obj`` implements the :class:`ConjugateModel` methods (checked on its type,
+    so that properties such as ``block_bounds`` are not evaluated)."""
+    return all(callable(getattr(type(obj), name, None)) for name in _REQUIRED_METHODS)
+
+
+class ConjugateModelBase:
+    """Defaults shared by the models: dense per-example ESS, no hyperparameters.
+
+    Subclasses implement ``prior_params``, ``expected_natural_params``, ``example_ess``,
+    ``m_step`` and ``sample_posterior`` and set ``block_bounds`` / ``symmetric_blocks``.
+    """
+
+    block_bounds: Mapping[str, float] = {}
+    symmetric_blocks: tuple = ()
+
+    def init_params(self, rng_key) -> Params:
+        """Start of the stochastic VB iterations: the prior (no data seen)."""
+        del rng_key
+        return self.prior_params()
+
+    def clipped_ess_sum(self, expected_natural_params, batch, mask, bounds):
+        """Sum over the masked batch of the per-example ESS, each block clipped to its bound.
+
+        ``bounds=None`` sums without clipping (non-private fits). Returns
+        ``(ess_sum, num_clipped)`` where ``num_clipped`` counts examples of which at least
+        one block was scaled down.
+        """
+        per_example = jax.vmap(self.example_ess, in_axes=(None, 0))(
+            expected_natural_params, batch)
+        if bounds is None:
+            return masked_block_sum(per_example, mask), jnp.zeros((), jnp.int32)
+        clipped, was_clipped = clip_example_blocks(per_example, bounds)
+        return masked_block_sum(clipped, mask), jnp.sum(was_clipped & mask)
+
+    def postprocess_noisy_ess(self, ess_total: ESS) -> ESS:
+        """Map a noisy ESS sum back into the set of valid sums (identity by default)."""
+        return ess_total
+
+    def refresh(self, params: Params) -> Params:
+        """Hyperparameter updates after the blending step (identity by default)."""
+        return params
+
+    def validate_data(self, data: tuple) -> tuple:
+        return data
+
+
+# --------------------------------------------------------------------------- ESS algebra
+
+def block_norms(per_example_ess: ESS) -> ESS:
+    """L2 (Frobenius) norm of each block of each example: arrays of shape ``[batch]``."""
+    return {name: jnp.sqrt(jnp.sum(jnp.reshape(block, (block.shape[0], -1)) ** 2, axis=1))
+            for name, block in per_example_ess.items()}
+
+
+def clip_example_blocks(per_example_ess: ESS, bounds: Mapping[str, float]):
+    """Scale each example's block ``b`` to norm at most ``bounds[b]``: ``s <- s min(1, C_b/|s|)``.
+
+    After this, one example changes the sum of block ``b`` by at most ``C_b`` in L2
+    (add/remove relation) whatever the data and the current ``q``. Returns the clipped
+    ESS and a ``[batch]`` bool marking examples of which some block was scaled down.
+    """
+    norms = block_norms(per_example_ess)
+    clipped, any_clipped = {}, None
+    for name, block in per_example_ess.items():
+        bound = bounds[name]
+        factor = jnp.minimum(1.0, bound / jnp.maximum(norms[name], 1e-30))
+        clipped[name] = block * factor.reshape((-1,) + (1,) * (block.ndim - 1)).astype(block.dtype)
+        flag = norms[name] > bound * (1.0 + 1e-6)
+        any_clipped = flag if any_clipped is None else any_clipped | flag
+    return clipped, any_clipped
+
+
+def masked_block_sum(per_example_ess: ESS, mask) -> ESS:
+    """``sum_i mask_i s_i`` for every block (padding rows of a Poisson batch drop out)."""
+    return {name: jnp.tensordot(mask.astype(block.dtype), block, axes=(0, 0))
+            for name, block in per_example_ess.items()}
+
+
+def scale_bounds(bounds: Mapping[str, float], factor: float) -> dict:
+    """Multiply every block bound by ``factor`` (``Privacy.clip``, the paper's ``a``)."""
+    return {name: float(bound) * float(factor) for name, bound in bounds.items()}
+
+
+def joint_sensitivity(bounds: Mapping[str, float]) -> float:
+    """L2 sensitivity of the sum after each block is divided by its bound: ``sqrt(B)``.
+
+    One example's rescaled block ``s_b / C_b`` has norm <= 1, so the concatenation of the
+    ``B`` rescaled blocks has norm <= ``sqrt(B)`` (paper §7, Eq. 72). Under add/remove
+    this is the sensitivity of the rescaled sum; under substitution it doubles.
+    """
+    return math.sqrt(len(bounds))
+
+
+def step_size(t, tau0: float, kappa: float):
+    """Robbins-Monro step ``rho_t = (tau0 + t)^(-kappa)`` (paper §2.5.4, Algorithm 1)."""
+    return (tau0 + t) ** (-kappa)
+
+
+def blend(old: Params, target: Params, rho) -> Params:
+    """``nu <- (1 - rho) nu_old + rho nu_target`` on every leaf (Algorithm 1, M-step)."""
+    return jax.tree_util.tree_map(lambda a, b: (1.0 - rho) * a + rho * b, old, target)
+
+
+def scale_ess(ess: ESS, factor) -> ESS:
+    return {name: factor * block for name, block in ess.items()}

@@ -1,0 +1,178 @@
+"""``fit_vips``: (private) stochastic variational Bayes for conjugate-exponential models.
+
+Algorithm 2 of the VIPS paper (Park et al. 2020), with one joint Gaussian release per
+iteration:
+
+    for t = 0, ..., T-1:
+        draw a batch B_t (Poisson with rate q, or S records without replacement)
+        E-step:   s_i = E_q(l_i)[s(D_i, l_i)] under the current n̄, for i in B_t
+        clip:     s_i,b <- s_i,b min(1, C_b / |s_i,b|)              for every ESS block b
+        release:  S̃_b = sum_i s_i,b + C_b sqrt(B) sigma N(0, I)       (one draw for all blocks)
+        M-step:   ν̃_t = ν + (N / S) S̃        (S = expected batch size)               (Eq. 19)
+        blend:    ν̃ <- (1 - rho_t) ν̃ + rho_t ν̃_t,  rho_t = (tau0 + t)^(-kappa)
+        n̄ <- E_q(m)[n(m)]
+
+Sensitivity of the release. After clipping, the rescaled blocks ``s_i,b / C_b`` of one
+record form a vector of norm <= ``sqrt(B)`` (``B`` blocks). The released sum, divided
+block-wise by ``C_b``, therefore changes by at most ``sqrt(B)`` when one record is added or
+removed and by ``2 sqrt(B)`` when one is replaced (every other record's statistics are
+computed from the same public ``n̄``, paper Eq. 22). The noise std in rescaled units is
+``sigma sqrt(B)`` with ``sigma = Privacy.noise_multiplier`` (std / joint clip norm), so the
+release is a subsampled Gaussian mechanism with noise multiplier ``sigma`` (add/remove) or
+``sigma / 2`` (substitute) relative to its sensitivity; the ledger records ``T`` of them with
+the sampler's rate. Symmetric matrix blocks get noise on the upper triangle (mirrored),
+whose norm is at most the Frobenius norm, so the same bound covers them. Everything after
+the release (projection to valid statistics, M-step, blending) is post-processing.
+
+``privacy=None`` runs the same iterations without clipping and without noise.
+"""
+
+from __future__ import annotations
+
+import math
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+from numpyro_dppvi.vips.engine import (
+    blend, is_conjugate_model, joint_sensitivity, scale_bounds, scale_ess, step_size)
+from numpyro_dppvi.vips.release import release_ess
+from numpyro_dppvi.vips.results import VIPSResult
+
+
+def _check_data(data) -> tuple:
+    if not isinstance(data, (tuple, list)):
+        data = (data,)
+    arrays = tuple(jnp.asarray(a) for a in data)
+    if not arrays:
+        raise ValueError("data is empty: pass a tuple of arrays whose leading axis is the individual.")
+    n = arrays[0].shape[0] if arrays[0].ndim else 0
+    for a in arrays:
+        if a.ndim == 0 or a.shape[0] != n:
+            raise ValueError("every data array needs the same leading dimension (one row per individual); "
+                             f"got shapes {[tuple(x.shape) for x in arrays]}.")
+        if jnp.issubdtype(a.dtype, jnp.floating) and not bool(jnp.all(jnp.isfinite(a))):
+            raise ValueError("data contain NaN or inf: remove or impute those rows before fitting.")
+    if n == 0:
+        raise ValueError("data have no rows.")
+    return arrays
+
+
+def _check_schedule(batch_size, iterations, tau0, kappa, n):
+    if isinstance(batch_size, bool) or int(batch_size) != batch_size or not 1 <= batch_size <= n:
+        raise ValueError(f"batch_size must be an integer in [1, {n}] (the number of rows), got {batch_size}.")
+    if isinstance(iterations, bool) or int(iterations) != iterations or iterations < 1:
+        raise ValueError(f"iterations must be a positive integer, got {iterations}.")
+    if not (float(tau0) >= 0 and math.isfinite(float(tau0))):
+        raise ValueError(f"tau0 must be >= 0, got {tau0}.")
+    if not 0.0 <= float(kappa) <= 1.0:
+        raise ValueError(f"kappa must lie in [0, 1] (0.5 < kappa <= 1 for convergence; 0 with a full "
+                         f"batch is plain VB), got {kappa}.")
+    if float(tau0) == 0.0 and float(kappa) > 0.0:
+        raise ValueError("tau0 = 0 with kappa > 0 makes the first step size infinite; use tau0 >= 1.")
+
+
+def _non_private_batch(n: int, batch_size: int):
+    """Fixed-size batches without replacement, drawn afresh each step (all rows if ``S = N``)."""
+    if batch_size == n:
+        def sample(key):
+            del key
+            return jnp.arange(n), jnp.ones(n, dtype=bool)
+    else:
+        def sample(key):
+            idx = jax.random.choice(key, n, (batch_size,), replace=False)
+            return idx, jnp.ones(batch_size, dtype=bool)
+    return sample
+
+
+def fit_vips(model, data, *, privacy=None, batch_size: int | None = None, iterations: int = 100,
+             tau0: float = 1.0, kappa: float = 0.7, rng_key=None, detect_options: dict | None = None):
+    """Fit a conjugate-exponential model by (private) stochastic variational Bayes (VIPS).
+
+    Args:
+        model: a :class:`~numpyro_dppvi.vips.engine.ConjugateModel` (e.g.
+            :class:`PolyaGammaLogisticRegression`, :class:`LDA`) or a NumPyro model
+            (``@dppvi.model``) matching a supported conjugate pattern; the pattern is detected
+            (:func:`numpyro_dppvi.vips.detect.detect_conjugate`) and a site that breaks
+            conjugacy is named in the error.
+        data: tuple of arrays, leading axis = individual (for a NumPyro model: its positional
+            arguments, observations included, as ``model(*data)`` is called).
+        privacy: :class:`numpyro_dppvi.Privacy` or ``None`` (no clipping, no noise). With a
+            privacy config, ``clip`` multiplies every ESS block bound of the model (the
+            paper's ``a`` for LDA), ``noise_multiplier`` is noise std / joint clip norm, and
+            if only ``epsilon`` is given the noise is calibrated for ``iterations`` releases
+            at the sampler's rate. ``sampling`` chooses Poisson or fixed-size batches without
+            replacement (the paper's setting, substitution relation).
+        batch_size: expected batch size ``S`` (Poisson rate ``S/N``); default all rows.
+        iterations: number of VB steps ``T``.
+        tau0, kappa: step size ``rho_t = (tau0 + t)^(-kappa)``, ``t = 0..T-1``; ``kappa = 0`` with
+            a full batch is batch VB.
+        rng_key: ``jax.random`` key (batches, noise, random initialisation).
+        detect_options: for a NumPyro model, the public per-record bounds passed to
+            :func:`~numpyro_dppvi.vips.detect.detect_conjugate` (``feature_bound``,
+            ``target_bound``, ``count_bound``); needed for a private fit of the Normal,
+            logistic and Poisson patterns.
+
+    Returns:
+        :class:`~numpyro_dppvi.vips.results.VIPSResult`.
+    """
+    numpyro_model, site_map = None, None
+    if not is_conjugate_model(model):
+        if not callable(model):
+            raise TypeError("model must be a ConjugateModel or a NumPyro model function.")
+        from numpyro_dppvi.vips.detect import detect_conjugate
+
+        detection = detect_conjugate(model, *_check_data(data), **(detect_options or {}))
+        numpyro_model, site_map = model, detection.site_map
+        model, data = detection.model, detection.data
+    data = model.validate_data(_check_data(data))
+    n = int(data[0].shape[0])
+    batch_size = n if batch_size is None else batch_size
+    _check_schedule(batch_size, iterations, tau0, kappa, n)
+    iterations = int(iterations)
+    if rng_key is None:
+        raise ValueError("rng_key is required: pass e.g. jax.random.key(0).")
+    key_init, key_steps = jax.random.split(rng_key)
+
+    release = None
+    if privacy is not None:
+        from numpyro_dppvi.vips.release import plan_release
+
+        release = plan_release(privacy, model.block_bounds, n=n, batch_size=int(batch_size),
+                               iterations=iterations)
+        sampler, bounds = release.sampler, release.bounds
+    else:
+        sampler, bounds = _non_private_batch(n, int(batch_size)), None
+    scale = n / float(batch_size)
+    symmetric = tuple(model.symmetric_blocks)
+
+    def one_step(params, inputs):
+        t, key = inputs
+        key_batch, key_noise = jax.random.split(key)
+        idx, mask = sampler(key_batch)
+        batch = tuple(a[idx] for a in data)
+        enp = model.expected_natural_params(params)
+        ess, num_clipped = model.clipped_ess_sum(enp, batch, mask, bounds)
+        if release is not None:
+            ess = release_ess(ess, bounds, release.noise_std_rescaled, key_noise, symmetric)
+            ess = model.postprocess_noisy_ess(ess)
+        target = model.m_step(params, scale_ess(ess, scale))
+        rho = step_size(t.astype(jnp.result_type(float)), tau0, kappa)
+        new_params = model.refresh(blend(params, target, rho))
+        return new_params, {"rho": rho, "batch_size": jnp.sum(mask), "num_clipped": num_clipped}
+
+    params = model.init_params(key_init)
+    keys = jax.random.split(key_steps, iterations)
+    params, trace = jax.jit(lambda p, ks: jax.lax.scan(one_step, p, (jnp.arange(iterations), ks)))(params, keys)
+    history = {name: np.asarray(value) for name, value in trace.items()}
+
+    ledger = None
+    if release is not None:
+        ledger = release.record()
+    return VIPSResult(model=model, params=params, history=history, privacy=ledger,
+                      noise_multiplier=None if release is None else release.noise_multiplier,
+                      numpyro_model=numpyro_model, site_map=site_map,
+                      info={"num_data": n, "batch_size": int(batch_size), "iterations": iterations,
+                            "tau0": float(tau0), "kappa": float(kappa),
+                            "joint_clip": None if bounds is None else joint_sensitivity(bounds)})

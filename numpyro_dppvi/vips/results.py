@@ -1,0 +1,90 @@
+"""``VIPSResult``: the fitted variational posterior of a conjugate model, its history and ledger."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Any, Callable
+
+import jax
+import numpy as np
+
+
+@dataclass
+class VIPSResult:
+    """Output of :func:`numpyro_dppvi.fit_vips`.
+
+    Attributes:
+        model: the :class:`~numpyro_dppvi.vips.engine.ConjugateModel` that was fitted.
+        params: final global variational parameters (natural parameters and, where the model
+            has them, hyperparameter posteriors); ``model.expected_natural_params(params)``
+            gives ``n̄`` (Eq. 19).
+        history: per-iteration arrays: ``rho`` (step size), ``batch_size`` (records in the
+            batch), ``num_clipped`` (records with a clipped ESS block; 0 without privacy).
+        privacy: the :class:`~numpyro_dppvi.privacy.PrivacyLedger` of the fit (one client), or
+            ``None`` for a non-private fit.
+        noise_multiplier: noise std / joint clip norm actually used (``None`` without privacy).
+        numpyro_model: the NumPyro model the conjugate model was detected from, if any.
+        site_map: for a detected model, how posterior draws map to the model's sites:
+            a function ``samples_of_conjugate_model -> {site: draws}``.
+    """
+
+    model: Any
+    params: Any
+    history: dict
+    privacy: Any = None
+    noise_multiplier: float | None = None
+    numpyro_model: Callable | None = None
+    site_map: Callable | None = None
+    info: dict = field(default_factory=dict)
+
+    @property
+    def epsilon(self) -> float | None:
+        """Total epsilon at the ledger's delta (``None`` for a non-private fit)."""
+        return None if self.privacy is None else float(self.privacy.epsilon)
+
+    def expected_natural_params(self):
+        return self.model.expected_natural_params(self.params)
+
+    def posterior_samples(self, num_samples: int = 1000, rng_key=None) -> dict:
+        """Draws from ``q``: ``{name: array [num_samples, ...]}``; site names for a detected model."""
+        if rng_key is None:
+            rng_key = jax.random.key(0)
+        samples = self.model.sample_posterior(self.params, rng_key, int(num_samples))
+        if self.site_map is not None:
+            samples = self.site_map(samples)
+        return {name: np.asarray(value) for name, value in samples.items()}
+
+    def to_arviz(self, num_samples: int = 1000, rng_key=None):
+        """ArviZ ``InferenceData`` with a ``posterior`` group (one chain of ``num_samples`` draws)."""
+        import arviz as az
+
+        samples = self.posterior_samples(num_samples, rng_key)
+        return az.from_dict(posterior={name: value[None] for name, value in samples.items()})
+
+    def summary(self, num_samples: int = 1000, rng_key=None, **kwargs):
+        import arviz as az
+
+        return az.summary(self.to_arviz(num_samples, rng_key), kind="stats", **kwargs)
+
+    def predict(self, *inputs, num_samples: int = 500, rng_key=None, **kwargs):
+        """Posterior predictive.
+
+        For a detected NumPyro model: ``numpyro.infer.Predictive`` with ``num_samples`` draws
+        from ``q``, called as ``model(*inputs, **kwargs)``; returns ``{site: draws}``.
+        For a model class: its own predictive (``predict_proba`` for classifiers,
+        ``predict_mean`` for regressions, ``predict`` otherwise) at the inputs.
+        """
+        if self.numpyro_model is not None:
+            from numpyro.infer import Predictive
+
+            if rng_key is None:
+                rng_key = jax.random.key(1)
+            key_q, key_pred = jax.random.split(rng_key)
+            samples = self.posterior_samples(num_samples, key_q)
+            predictive = Predictive(self.numpyro_model, posterior_samples=samples)
+            return {k: np.asarray(v) for k, v in predictive(key_pred, *inputs, **kwargs).items()}
+        for method in ("predict_proba", "predict_mean", "predict"):
+            if hasattr(self.model, method):
+                return getattr(self.model, method)(self.params, *inputs, **kwargs)
+        raise TypeError(f"{type(self.model).__name__} defines no predictive "
+                        "(predict_proba / predict_mean / predict).")
