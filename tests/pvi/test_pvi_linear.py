@@ -6,10 +6,10 @@ same mean and variances ``1 / diag(P)``. PVI's fixed point is the global VI opti
 2022, Property 3), so every schedule must reach it up to Monte Carlo error.
 
 Tolerance: the local objective is estimated with 64 reparameterised draws and the learning rate decays
-to 2e-4 within each round, so the stationary jitter of the final iterate is a small fraction of the
-posterior sd (about 0.05 sd measured across seeds). We require |mean - exact| < 0.2 sd per coordinate
-and variances within 15 %, margins of ~4x over the observed error; a wrong cavity (double-counted
-prior) or wrong damping shifts the variance by ~1/M and the mean by much more than these bounds.
+to 2e-4 within each round, so the jitter of the final iterate is small: over 3 seeds x 3 schedules
+the largest errors measured were 0.02 posterior sd for the mean and 2.5 % for the variances. We require
+|mean - exact| < 0.1 sd per coordinate and variances within 8 % (~4x margins); a double-counted prior
+or a lost factor moves the variances by ~1/M = 20 % and fails.
 """
 
 import jax
@@ -53,8 +53,8 @@ def test_pvi_reaches_mean_field_optimum(schedule, damping):
                              optimizer=decaying_adam(steps), damping=damping, rng_key=jax.random.key(0))
     post = result.posterior["w"]
     sd = np.sqrt(var)
-    assert np.all(np.abs(post["loc"] - mean) < 0.2 * sd), (post["loc"], mean, sd)
-    np.testing.assert_allclose(post["scale"] ** 2, var, rtol=0.15)
+    assert np.all(np.abs(post["loc"] - mean) < 0.1 * sd), (post["loc"], mean, sd)
+    np.testing.assert_allclose(post["scale"] ** 2, var, rtol=0.08)
     assert result.history[-1]["communications"] == 8 * 5
     # q == prior * prod t_m exactly
     q = result.state.q
