@@ -158,6 +158,8 @@ class DPPVI:
             entry = {"round": int(state.round), "communications": int(state.communications),
                      "participated": np.asarray(metrics["participated"]).tolist(),
                      "seconds": time.perf_counter() - start}
+            if "order" in metrics and self.schedule == "asynchronous":
+                entry["arrivals"] = np.asarray(metrics["order"]).tolist()
             if eval_arrays is not None:
                 entry.update(evaluate(self.adapter, state.q, eval_arrays, eval_key))
             history.append(entry)
