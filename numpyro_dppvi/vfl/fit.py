@@ -1,0 +1,126 @@
+"""``fit_vfl``: wire clients, server, guides and the SFVI protocol together (DESIGN §7)."""
+
+from __future__ import annotations
+
+from typing import Callable, Sequence
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import optax
+
+from .client import VFLClient, check_clients
+from .guides import GUIDES, DiagonalGaussian
+from .models import _check_rho
+from .parties import FORMULATIONS, ServerParty, make_client_party
+from .protocol import Channel, make_step
+from .results import VFLResult
+from .sites import trace_layout
+
+
+def fit_vfl(
+    clients: Sequence[VFLClient],
+    y,
+    likelihood: Callable,
+    *,
+    formulation: str = "augmented",
+    guide: str = "mean_field",
+    rho: float = 1.0,
+    steps: int = 1000,
+    optimizer: optax.GradientTransformation | None = None,
+    num_samples: int = 1,
+    rng_key=None,
+    batch_size: int | None = None,
+    amortized_hidden: int = 16,
+    init_scale: float = 0.1,
+    stl: bool = True,
+) -> VFLResult:
+    """Fit a vertical federated model by SFVI (Hassan et al., Algorithm 1 or 2).
+
+    Args:
+        clients: the :class:`VFLClient` s, each with its own columns and sub-model.
+        y: the response, held by the server (``"augmented"``, ``"split"``) or shared with the
+            clients (``"power"``).
+        likelihood: ``likelihood(eta, y)``: a NumPyro program that samples the shared parameters
+            ``gamma`` (e.g. an intercept, a noise scale) and observes ``y`` given the linear
+            predictor ``eta`` of shape ``[rows]``.
+        formulation: ``"augmented"`` (eq. 6, Algorithm 1), ``"power"`` (eq. 7, Algorithm 2) or
+            ``"split"`` (split NN: deterministic clients, ``z_j = g_j``, same messages as
+            Algorithm 1).
+        guide: ``"mean_field"`` (eq. 10) or ``"amortized"`` (eq. 9) for ``q(z_j | .)``.
+        rho: standard deviation of ``z_j | theta_j`` (ignored by ``"split"``).
+        steps: protocol iterations.
+        optimizer: an optax transformation used by every party (default ``adam(1e-2)``).
+        num_samples: Monte Carlo draws per iteration.
+        rng_key: a ``jax.random`` key (default ``key(0)``).
+        batch_size: rows per iteration (sampled without replacement by the server and sent to
+            the clients as a row index); ``None`` uses all rows.
+        amortized_hidden: width of the amortised network's hidden layer.
+        init_scale: initial std of ``q(theta)`` (and ``init_scale * rho`` for ``q(z)``).
+        stl: use the sticking-the-landing gradient estimator (eq. 4).
+
+    Returns:
+        :class:`VFLResult` with the fitted parameters, ELBO trace and message history.
+    """
+    if formulation not in FORMULATIONS:
+        raise ValueError(f"formulation must be one of {FORMULATIONS}, got {formulation!r}")
+    if guide not in GUIDES:
+        raise ValueError(f"guide must be one of {GUIDES}, got {guide!r}")
+    if y is None:
+        raise ValueError("y is required: the server (or, for 'power', every client) holds it")
+    n = check_clients(clients, y)
+    rho = _check_rho(rho) if formulation != "split" else 1.0
+    if not isinstance(steps, (int, np.integer)) or steps < 1:
+        raise ValueError(f"steps must be a positive integer, got {steps!r}")
+    if not isinstance(num_samples, (int, np.integer)) or num_samples < 1:
+        raise ValueError(f"num_samples must be a positive integer, got {num_samples!r}")
+    if batch_size is not None and (
+        not isinstance(batch_size, (int, np.integer)) or not 1 <= batch_size <= n
+    ):
+        raise ValueError(f"batch_size must be None or an integer in [1, {n}], got {batch_size!r}")
+    if batch_size == n:
+        batch_size = None
+    if optimizer is None:
+        optimizer = optax.adam(1e-2)
+    if not hasattr(optimizer, "init") or not hasattr(optimizer, "update"):
+        raise TypeError("optimizer must be an optax GradientTransformation, e.g. optax.adam(1e-2)")
+    rng_key = jax.random.key(0) if rng_key is None else rng_key
+    k_trace, k_init, k_run = jax.random.split(rng_key, 3)
+
+    y = jnp.asarray(y)
+    server_layout = trace_layout(likelihood, (jnp.zeros((n,)), y), k_trace, what="likelihood")
+    if not server_layout.observed:
+        raise ValueError(
+            "likelihood(eta, y) observes nothing: it must contain numpyro.sample(..., obs=y)"
+        )
+    if server_layout.params:
+        raise ValueError(
+            "likelihood(eta, y) has numpyro.param sites "
+            f"{[p.name for p in server_layout.params]}; give shared parameters a prior instead"
+        )
+    server = ServerParty(likelihood, server_layout, DiagonalGaussian(server_layout, init_scale),
+                         y, n, stl)
+    parties = [
+        make_client_party(
+            c, position=j, formulation=formulation, guide=guide, rho=rho, y=y,
+            likelihood=likelihood, server_layout=server_layout, num_clients=len(clients),
+            rng_key=k_trace, hidden=amortized_hidden, init_scale=init_scale, stl=stl,
+        )
+        for j, c in enumerate(clients)
+    ]
+    init, step, _ = make_step(parties, server, optimizer, formulation=formulation,
+                              num_samples=num_samples, batch_size=batch_size, num_rows=n)
+    state = init(k_init)
+
+    recorder = Channel()
+    jax.eval_shape(lambda s, k: step(s, k, recorder), state, k_run)
+
+    def run(state, keys):
+        return jax.lax.scan(lambda s, k: step(s, k, Channel()), state, keys)
+
+    state, elbo = jax.jit(run)(state, jax.random.split(k_run, steps))
+    return VFLResult(
+        clients=list(clients), likelihood=likelihood, formulation=formulation, guide=guide,
+        rho=rho, parties=parties, server=server, state=state, elbo=np.asarray(elbo),
+        messages=recorder.messages, steps=steps,
+    )
