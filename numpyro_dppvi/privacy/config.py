@@ -1,0 +1,215 @@
+"""Privacy: what the user asks for, and the conversions the engine needs.
+
+Give a budget and the noise is calibrated for the planned run::
+
+    Privacy(epsilon=1.0, delta=1e-5, clip=1.0)
+
+or give the noise and read epsilon from the fit's ledger::
+
+    Privacy(noise_multiplier=1.1, delta=1e-5, clip=1.0)
+
+``noise_multiplier`` is always the user-facing DP-SGD convention **noise std / clip** (``C``).
+Internally, events carry std / sensitivity, which is the same under add/remove and half of it
+under substitution (a replaced record moves a clipped sum by ``2C``); :meth:`Privacy.to_event`
+and :meth:`Privacy.from_event` convert.
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+from numbers import Real
+from typing import Callable, Sequence
+
+import numpy as np
+
+from . import backends
+from .adaptive_clip import AdaptiveClip, count_sensitivity, split_noise_multiplier
+from .calibration import calibrate_noise, plan_epsilon
+from .events import GaussianEvent, check_neighbouring, sensitivity
+from .ledger import PrivacyLedger
+
+_SAMPLERS = ("poisson", "without_replacement")
+
+
+def _optional_positive(name, value):
+    if value is None:
+        return None
+    if isinstance(value, bool) or not isinstance(value, Real):
+        raise TypeError(f"{name} must be a number or None, got {type(value).__name__}.")
+    value = float(value)
+    if not (math.isfinite(value) and value > 0):
+        raise ValueError(f"{name} must be a finite number > 0, got {value}.")
+    return value
+
+
+@dataclass(frozen=True)
+class Privacy:
+    """Differential-privacy settings of a fit.
+
+    Attributes:
+      epsilon: total budget per client (the fit's overall guarantee is the max over clients).
+        Give this *or* ``noise_multiplier`` (both: the noise is used and checked to meet it).
+      delta: target delta in (0, 1).
+      clip: L2 clip norm ``C`` of per-example gradients (or updates) > 0.
+      noise_multiplier: noise std / ``C`` (user-facing DP-SGD convention).
+      sampling: ``"poisson"`` (padded Poisson batches, default) or ``"without_replacement"``
+        (fixed-size batches drawn afresh each step; needs ``neighbouring="substitute"``).
+      neighbouring: ``"add_remove"`` (default) or ``"substitute"``.
+      accountant: ``"pld"`` (default), ``"rdp"`` or ``"autodp"``.
+      epsilon_max: per-client stop rule: a float for all clients or one value per client; a
+        client whose next step would exceed it stops contributing.
+      adaptive_clip: :class:`AdaptiveClip` settings, or None for a fixed clip.
+    """
+
+    epsilon: float | None = None
+    delta: float = 1e-5
+    clip: float = 1.0
+    noise_multiplier: float | None = None
+    sampling: str = "poisson"
+    neighbouring: str = "add_remove"
+    accountant: str = "pld"
+    epsilon_max: float | Sequence[float] | None = None
+    adaptive_clip: AdaptiveClip | None = None
+
+    def __post_init__(self):
+        set_ = object.__setattr__
+        set_(self, "epsilon", _optional_positive("epsilon", self.epsilon))
+        set_(self, "noise_multiplier", _optional_positive("noise_multiplier", self.noise_multiplier))
+        if self.epsilon is None and self.noise_multiplier is None:
+            raise ValueError(
+                "give a budget (epsilon=...) to calibrate the noise, or a noise_multiplier "
+                "(noise std / clip) to read epsilon from the ledger."
+            )
+        set_(self, "delta", backends.check_delta(self.delta))
+        set_(self, "clip", _optional_positive("clip", self.clip))
+        if self.clip is None:
+            raise ValueError("clip must be a finite number > 0.")
+        if self.sampling not in _SAMPLERS:
+            raise ValueError(f"sampling={self.sampling!r} is not known; use one of {_SAMPLERS}.")
+        check_neighbouring(self.neighbouring)
+        backends.check_backend(self.accountant)
+        if self.sampling == "without_replacement" and self.neighbouring != "substitute":
+            raise ValueError(
+                "sampling='without_replacement' is accounted under neighbouring='substitute' "
+                "only; set neighbouring='substitute' or use sampling='poisson'."
+            )
+        # fail now, not after training, if the backend cannot account this sampler
+        backends.check_supported(
+            [GaussianEvent(1.0, self.sampling, 0.5)], self.neighbouring, self.accountant
+        )
+        set_(self, "epsilon_max", self._validated_epsilon_max(self.epsilon_max))
+        if self.adaptive_clip is not None and not isinstance(self.adaptive_clip, AdaptiveClip):
+            raise TypeError("adaptive_clip must be an AdaptiveClip(...) or None.")
+
+    @staticmethod
+    def _validated_epsilon_max(value):
+        if value is None:
+            return None
+        if isinstance(value, Real) and not isinstance(value, bool):
+            return _optional_positive("epsilon_max", value)
+        if isinstance(value, (str, bytes)) or not isinstance(value, Sequence | np.ndarray):
+            raise TypeError("epsilon_max must be a float, a sequence of floats or None.")
+        return tuple(_optional_positive("epsilon_max", v) for v in value)
+
+    # ------------------------------------------------------------------ units
+    @property
+    def sensitivity(self) -> float:
+        """L2 sensitivity of a DP-SGD clipped sum: ``C`` (add/remove) or ``2C`` (substitute)."""
+        return sensitivity(self.clip, self.neighbouring, "sum_of_records")
+
+    def to_event(self, noise_multiplier: float) -> float:
+        """User noise multiplier (std / C) -> event noise multiplier (std / sensitivity)."""
+        return noise_multiplier * self.clip / self.sensitivity
+
+    def from_event(self, event_noise_multiplier: float) -> float:
+        """Event noise multiplier (std / sensitivity) -> user noise multiplier (std / C)."""
+        return event_noise_multiplier * self.sensitivity / self.clip
+
+    def step_event(self, noise_multiplier: float, rate: float, count: int = 1,
+                   overflow_probability: float = 0.0) -> GaussianEvent:
+        """Event of ``count`` DP-SGD steps at user noise multiplier ``noise_multiplier`` and
+        sampling rate ``rate`` with this config's sampler. With adaptive clipping the noise
+        multiplier is the total of the joint (gradient, count) release."""
+        sampling = self.sampling if rate < 1.0 else "none"
+        return GaussianEvent(self.to_event(noise_multiplier), sampling, rate, count,
+                             overflow_probability if sampling == "poisson" else 0.0)
+
+    # ------------------------------------------------------------------ noise of one step
+    def split(self, noise_multiplier: float) -> tuple[float, float | None]:
+        """``(gradient_nm, count_nm)`` in event units; ``count_nm`` is None without adaptive
+        clipping (then ``gradient_nm`` is the whole event noise multiplier)."""
+        total = self.to_event(noise_multiplier)
+        if self.adaptive_clip is None:
+            return total, None
+        return split_noise_multiplier(total, self.adaptive_clip.count_budget_fraction)
+
+    def gradient_noise_std(self, noise_multiplier: float, clip=None):
+        """Std of the noise on the clipped gradient sum at clip norm ``clip`` (default: the fixed
+        clip; with adaptive clipping pass the current one, it may be a traced value)."""
+        clip = self.clip if clip is None else clip
+        gradient_nm, _ = self.split(noise_multiplier)
+        return gradient_nm * (sensitivity(1.0, self.neighbouring, "sum_of_records") * clip)
+
+    def count_noise_std(self, noise_multiplier: float) -> float:
+        """Std of the noise on the adaptive-clipping count query."""
+        _, count_nm = self.split(noise_multiplier)
+        if count_nm is None:
+            raise ValueError("count_noise_std needs adaptive_clip=AdaptiveClip(...).")
+        return count_nm * count_sensitivity(self.neighbouring)
+
+    # ------------------------------------------------------------------ budget
+    def resolve(self, plan: Callable[[float], Sequence]) -> float:
+        """The noise multiplier (std / C) to use for the planned run.
+
+        ``plan(noise_multiplier)`` returns the events the run will record, for one client (a
+        list of :class:`GaussianEvent`) or for every client (a list of such lists), e.g.
+        ``lambda z: [[privacy.step_event(z, b / n_m, T)] for n_m in sizes]``.
+
+        * budget only: the smallest noise multiplier meeting ``(epsilon, delta)`` for every
+          client (:func:`~numpyro_dppvi.privacy.calibration.calibrate_noise`);
+        * noise only: ``noise_multiplier`` as given (the ledger then reports epsilon);
+        * both: ``noise_multiplier``, after checking that it meets the budget.
+        """
+        if not callable(plan):
+            raise TypeError("plan must be a callable noise_multiplier -> events.")
+        if self.noise_multiplier is not None:
+            if self.epsilon is not None:
+                spent = plan_epsilon(plan, self.noise_multiplier, self.delta,
+                                     self.neighbouring, self.accountant)
+                if spent > self.epsilon:
+                    needed = self.resolve_budget(plan)
+                    raise ValueError(
+                        f"noise_multiplier={self.noise_multiplier} spends epsilon={spent:.4g} "
+                        f"> epsilon={self.epsilon} on this plan; use noise_multiplier >= "
+                        f"{needed:.4g} or drop one of the two."
+                    )
+            return self.noise_multiplier
+        return self.resolve_budget(plan)
+
+    def resolve_budget(self, plan: Callable[[float], Sequence]) -> float:
+        if self.epsilon is None:
+            raise ValueError("resolve_budget needs epsilon.")
+        event_nm = calibrate_noise(
+            self.epsilon, self.delta, lambda z: plan(self.from_event(z)),
+            self.neighbouring, self.accountant,
+        )
+        return self.from_event(event_nm)
+
+    def epsilon_max_per_client(self, num_clients: int) -> np.ndarray:
+        """Per-client stop thresholds (``inf`` where none)."""
+        if self.epsilon_max is None:
+            return np.full(num_clients, np.inf)
+        if isinstance(self.epsilon_max, float):
+            return np.full(num_clients, self.epsilon_max)
+        if len(self.epsilon_max) != num_clients:
+            raise ValueError(
+                f"epsilon_max has {len(self.epsilon_max)} values for {num_clients} clients; "
+                "give one per client or a single float."
+            )
+        return np.array(self.epsilon_max, dtype=float)
+
+    def ledger(self, num_clients: int, trusted_aggregator: bool = False) -> PrivacyLedger:
+        """An empty ledger with this config's delta, relation and accountant."""
+        return PrivacyLedger(num_clients, self.delta, self.neighbouring, self.accountant,
+                             trusted_aggregator)
