@@ -42,7 +42,13 @@ def per_example_norms(tree) -> jax.Array:
     squares = sum(
         jnp.sum(jnp.reshape(leaf, (leaf.shape[0], -1)) ** 2, axis=1) for leaf in leaves
     )
-    return jnp.sqrt(squares)
+    return _safe_sqrt(squares)
+
+
+def _safe_sqrt(squares):
+    # sqrt with a zero (not NaN) gradient at 0, so clipping stays differentiable everywhere
+    positive = squares > 0
+    return jnp.where(positive, jnp.sqrt(jnp.where(positive, squares, 1.0)), 0.0)
 
 
 def _scale_factor(norm, clip):
@@ -75,7 +81,7 @@ def clip_per_example(tree, clip):
 def tree_norm(tree) -> jax.Array:
     """L2 norm of a whole pytree, ``sqrt(sum_leaves ||leaf||_F^2)``."""
     leaves = jax.tree_util.tree_leaves(tree)
-    return jnp.sqrt(sum(jnp.sum(leaf**2) for leaf in leaves))
+    return _safe_sqrt(sum(jnp.sum(leaf**2) for leaf in leaves))
 
 
 def clip_update(tree, clip):
