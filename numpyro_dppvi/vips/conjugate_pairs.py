@@ -135,20 +135,27 @@ class DirichletCategorical(ConjugateModelBase):
 class GammaPoisson(ConjugateModelBase):
     """``lam ~ Gamma(a0, b0)`` (shape, rate), ``y_i | lam ~ Poisson(lam)``.
 
-    Sufficient statistic: ``s_i = [y_i, 1]``. Counts are unbounded, so the model clips
-    them: with ``count_bound = B`` the block norm is at most ``sqrt(B^2 + 1)``; counts
-    above ``B`` are shrunk (together with the 1) when the ESS is clipped, which biases
-    the rate down. Choose ``B`` from public knowledge of the range of the counts.
+    Sufficient statistic: ``s_i = [y_i, 1]``. Counts are unbounded, so a private fit needs
+    a public ``count_bound = B``: every count is first truncated, ``y <- min(y, B)`` (a
+    function of the record alone), so the block norm is at most ``sqrt(B^2 + 1)``.
+    Truncation biases the rate down when counts exceed ``B``: choose ``B`` from public
+    knowledge of their range. ``count_bound=None`` (no truncation) runs non-privately only.
     Posterior: ``Gamma(a0 + sum y_i, b0 + N)``. Data: ``(y,)``, non-negative integers.
     """
 
     symmetric_blocks = ()
 
-    def __init__(self, concentration=1.0, rate=1.0, count_bound: float = 10.0):
+    def __init__(self, concentration=1.0, rate=1.0, count_bound: float | None = None):
         self.concentration = _as_positive(concentration, "concentration")
         self.rate = _as_positive(rate, "rate")
-        self.count_bound = _as_positive(count_bound, "count_bound")
-        self.block_bounds = {"counts": math.sqrt(self.count_bound**2 + 1.0)}
+        self.count_bound = None if count_bound is None else _as_positive(count_bound, "count_bound")
+
+    @property
+    def block_bounds(self):
+        if self.count_bound is None:
+            raise ValueError("GammaPoisson needs count_bound for a private fit: pass the public bound on "
+                             "the counts (larger counts are truncated to it).")
+        return {"counts": math.sqrt(self.count_bound**2 + 1.0)}
 
     def prior_params(self):
         return {"concentration": jnp.asarray(self.concentration), "rate": jnp.asarray(self.rate)}
@@ -160,6 +167,8 @@ class GammaPoisson(ConjugateModelBase):
     def example_ess(self, expected_natural_params, example):
         (y,) = example
         y = jnp.asarray(y, dtype=jnp.result_type(float))
+        if self.count_bound is not None:
+            y = jnp.minimum(y, self.count_bound)
         return {"counts": jnp.stack([y, jnp.ones_like(y)])}
 
     def m_step(self, params, ess_total):

@@ -144,7 +144,7 @@ class BayesianLinearRegression(_BoundedXY, ConjugateModelBase):
 
     def postprocess_noisy_ess(self, ess_total):
         from numpyro_dppvi.privacy.mechanisms import project_psd
-        return {**ess_total, "xx": project_psd(ess_total["xx"])}
+        return {**ess_total, "xx": project_psd(ess_total["xx"], 0.0)}
 
     def validate_data(self, data):
         return _validate_xy(data, self.dim, type(self).__name__)
@@ -226,7 +226,7 @@ class NormalGammaLinearRegression(_BoundedXY, ConjugateModelBase):
 
     def postprocess_noisy_ess(self, ess_total):
         from numpyro_dppvi.privacy.mechanisms import project_psd
-        return {**ess_total, "xx": project_psd(ess_total["xx"]),
+        return {**ess_total, "xx": project_psd(ess_total["xx"], 0.0),
                 "y2_count": jnp.maximum(ess_total["y2_count"], 0.0)}
 
     def validate_data(self, data):

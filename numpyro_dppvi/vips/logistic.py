@@ -119,7 +119,7 @@ class PolyaGammaLogisticRegression(_BoundedXY, ConjugateModelBase):
 
     def postprocess_noisy_ess(self, ess_total):
         from numpyro_dppvi.privacy.mechanisms import project_psd
-        return {**ess_total, "s2": project_psd(ess_total["s2"])}
+        return {**ess_total, "s2": project_psd(ess_total["s2"], 0.0)}
 
     def validate_data(self, data):
         x, y = _validate_xy(data, self.dim, type(self).__name__)

@@ -1,9 +1,123 @@
-"""Placeholder, replaced below once the privacy modules land."""
+"""The private release of a minibatch ESS sum: one joint Gaussian draw, and its accounting.
+
+Mechanism (VIPS paper §3.2 and Eq. 72). Every record's ESS blocks are clipped to their bounds
+``C_b`` (:func:`~numpyro_dppvi.vips.engine.clip_example_blocks`). The released vector is the
+concatenation of ``S_b / C_b`` over the ``B`` blocks, where ``S_b`` is the batch sum of block
+``b``, plus ``N(0, (sigma sqrt(B))^2 I)``; the engine multiplies each block back by ``C_b``, so
+block ``b`` carries noise of std ``sigma sqrt(B) C_b``.
+
+Sensitivity: one record's rescaled blocks have joint norm ``<= sqrt(B)`` (each ``<= 1``), so the
+rescaled sum moves by ``<= sqrt(B)`` when a record is added or removed and ``<= 2 sqrt(B)``
+when one is replaced. ``sqrt(B)`` plays the role of the clip norm ``C`` of DP-SGD, and
+``sigma = Privacy.noise_multiplier`` is noise std / ``C`` as everywhere in the package; the
+event noise multiplier (std / sensitivity) is ``Privacy.to_event(sigma)``. Symmetric matrix
+blocks get noise on the upper triangle (with the diagonal), mirrored
+(:func:`~numpyro_dppvi.privacy.symmetric_gaussian_noise`); those are the independent
+coordinates of the release, and their change is bounded by the Frobenius norm of the
+change, so the same sensitivity holds.
+
+Accounting: ``T`` identical releases with the sampler's rate (Poisson with a padded batch, or
+fixed-size batches without replacement under substitution), recorded on a one-client
+:class:`~numpyro_dppvi.privacy.PrivacyLedger` — the sampler used is the one accounted.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Callable
+
+import jax
+import jax.numpy as jnp
+
+from numpyro_dppvi.privacy import (
+    GaussianEvent, Privacy, PrivacyLedger, gaussian_noise_like, poisson_batch,
+    poisson_overflow_probability, poisson_pad_size, symmetric_gaussian_noise,
+    without_replacement_batch)
+from numpyro_dppvi.vips.engine import joint_sensitivity, scale_bounds
 
 
-def release_ess(ess, bounds, noise_std_rescaled, key, symmetric_blocks):
-    raise NotImplementedError
+@dataclass
+class ReleasePlan:
+    """Everything fixed before the first iteration of a private fit.
+
+    Attributes:
+        bounds: block name -> clip bound ``C_b`` (model bound times ``Privacy.clip``).
+        noise_multiplier: ``sigma``, noise std / joint clip norm ``sqrt(B)``.
+        noise_std_rescaled: ``sigma sqrt(B)``, the std in bound-rescaled units.
+        event: the :class:`GaussianEvent` of all ``T`` releases.
+        sampler: ``key -> (indices, mask)``, static batch shape.
+        privacy: the user's :class:`Privacy`.
+    """
+
+    bounds: dict
+    noise_multiplier: float
+    noise_std_rescaled: float
+    event: GaussianEvent
+    sampler: Callable
+    privacy: Privacy
+
+    def record(self, ledger: PrivacyLedger | None = None, client: int = 0) -> PrivacyLedger:
+        """Record the fit's releases (a new one-client ledger unless one is given)."""
+        ledger = self.privacy.ledger(1) if ledger is None else ledger
+        ledger.record(client, self.event)
+        return ledger
 
 
-def plan_release(privacy, block_bounds, n, batch_size, iterations):
-    raise NotImplementedError
+def make_sampler(privacy: Privacy, n: int, batch_size: int, iterations: int):
+    """``(sampler, rate, overflow_probability)`` for the configured sampling scheme."""
+    rate = batch_size / n
+    if batch_size == n:
+        def sample_all(key):
+            del key
+            return jnp.arange(n), jnp.ones(n, dtype=bool)
+        return sample_all, 1.0, 0.0
+    if privacy.sampling == "poisson":
+        pad = poisson_pad_size(n, rate, iterations)
+        overflow = poisson_overflow_probability(n, rate, pad)
+        return (lambda key: poisson_batch(key, n, rate, pad)), rate, overflow
+    return (lambda key: without_replacement_batch(key, n, batch_size)), rate, 0.0
+
+
+def plan_release(privacy: Privacy, block_bounds, n: int, batch_size: int, iterations: int) -> ReleasePlan:
+    """Clip bounds, sampler, noise (calibrated to ``privacy.epsilon`` if no noise is given)
+    and the event of a private VIPS fit of ``iterations`` steps."""
+    if not isinstance(privacy, Privacy):
+        raise TypeError("privacy must be a numpyro_dppvi.Privacy(...) or None.")
+    if privacy.adaptive_clip is not None:
+        raise ValueError("VIPS clips every ESS block to its declared bound; adaptive_clip is not supported.")
+    bounds = scale_bounds(block_bounds, privacy.clip)
+    sampler, rate, overflow = make_sampler(privacy, n, batch_size, iterations)
+
+    def plan(noise_multiplier):
+        return [privacy.step_event(noise_multiplier, rate, iterations, overflow)]
+
+    sigma = privacy.resolve(plan)
+    joint = joint_sensitivity(bounds)
+    return ReleasePlan(bounds=bounds, noise_multiplier=float(sigma), noise_std_rescaled=float(sigma * joint),
+                       event=plan(sigma)[0], sampler=sampler, privacy=privacy)
+
+
+def release_ess(ess_sum: dict, bounds: dict, noise_std_rescaled, key, symmetric_blocks=()) -> dict:
+    """``S_b + C_b * noise_b`` for every block, with one independent key per block.
+
+    ``noise_b`` has std ``noise_std_rescaled``; for a block named in ``symmetric_blocks`` the
+    noise is symmetric in the last two axes (drawn per leading index).
+    """
+    names = sorted(ess_sum)
+    keys = dict(zip(names, jax.random.split(key, len(names))))
+    released = {}
+    for name in names:
+        block = ess_sum[name]
+        if name in symmetric_blocks:
+            dim = block.shape[-1]
+            lead = block.shape[:-2]
+            count = 1
+            for size in lead:
+                count *= size
+            draws = jax.vmap(lambda k: symmetric_gaussian_noise(k, dim, noise_std_rescaled, block.dtype))(
+                jax.random.split(keys[name], count))
+            noise = draws.reshape(block.shape)
+        else:
+            noise = gaussian_noise_like(keys[name], block, noise_std_rescaled)
+        released[name] = block + bounds[name] * noise
+    return released
