@@ -60,7 +60,7 @@ class NonPrivate:
         idx, bmask = uniform_batch(key, mask, min(self.batch_size, mask.shape[0]))
         return take_rows(arrays, idx), bmask
 
-    def gradient(self, params, key, arrays, mask, n, cavity):
+    def gradient(self, params, key, arrays, mask, n, cavity, client_state):
         """Gradient of the loss ``-L_m / n_m`` on one batch, and the loss."""
         key_batch, key_eps = jax.random.split(key)
         batch, bmask = self.batch(key_batch, arrays, mask)
@@ -72,7 +72,7 @@ class NonPrivate:
     def update(self, q, cavity, arrays, mask, n, key, client_state):
         params = factors.to_loc_log_scale(q)
         params, losses = optimise(self.optimizer, params, self.local_steps, key,
-                                  lambda p, k: self.gradient(p, k, arrays, mask, n, cavity))
+                                  lambda p, k: self.gradient(p, k, arrays, mask, n, cavity, client_state))
         return factors.from_loc_log_scale(params), client_state, {"loss": losses[-1]}
 
 
@@ -121,3 +121,68 @@ class ServerFactorStep:
         params, _ = optimise(self.optimizer, params0, self.steps, key, gradient)
         new = factors.from_loc_log_scale(params)
         return Gaussian(jnp.where(self.mask, new.eta1, q.eta1), jnp.where(self.mask, new.eta2, q.eta2))
+
+
+@dataclass(frozen=True)
+class DPOptimisation(NonPrivate):
+    """DP-SGD inside the local step (Heikkila et al. 2023, §4.1, Theorem 6; DESIGN §5.1).
+
+    Each step draws a batch with the sampler the ledger accounts (Poisson: every valid row with
+    probability ``q_m = batch_size / n_m``, padded to ``max_batch`` with a mask; or exactly
+    ``batch_size`` rows without replacement), computes per-example gradients of the likelihood term
+    ``g_i = d/d(mu, log s) E_q[log p(x_i | theta)]`` only, clips each jointly to norm ``C``, sums,
+    and adds ``N(0, noise_std^2 I)`` with ``noise_std = sigma C``:
+
+        g_data = (sum_{i in B} clip_C(g_i) + N(0, sigma^2 C^2 I)) / batch_size,
+        g = -(g_data + d/d(mu, log s) [E_q log cavity + H[q]] / n_m).
+
+    Sensitivity: the released sum changes by at most ``C`` when a record is added or removed and
+    ``2C`` when one is replaced (each clipped term has norm <= C); the cavity term is
+    data-independent and added after the noise, so it costs nothing. Accounting: per client, one
+    subsampled Gaussian release per local step at rate ``q_m``. The per-step loss reported to the
+    server is the data-free part only (no unprivatised data-dependent value leaves the client).
+
+    The noise std is per client (each client's noise is calibrated to its own sampling rate), carried
+    in ``client_state["noise_std"]``.
+    """
+
+    log_lik_row: Callable = None
+    clip: float = 1.0
+    sampling: str = "poisson"
+    max_batch: int = 0
+
+    def batch(self, key, arrays, mask, n):
+        """The accounted sampler: Poisson at rate ``batch_size / n`` in a pad of ``max_batch``, or
+        exactly ``batch_size`` rows without replacement; returns ``(rows, batch_mask)``."""
+        from ..privacy.sampling import poisson_batch, without_replacement_batch
+
+        if self.sampling == "poisson":
+            idx, bmask = poisson_batch(key, mask, self.batch_size / n, self.max_batch)
+        else:
+            idx, bmask = without_replacement_batch(key, mask, self.batch_size)
+        return take_rows(arrays, idx), bmask
+
+    def clipped_sum(self, params, eps, rows, bmask):
+        """``sum_{i in B} clip_C(g_i)`` of per-example likelihood gradients (the released query, pre-noise)."""
+        from ..privacy.mechanisms import clip_per_example
+
+        ell = lambda p, row: objectives.expected_log_lik_row(self.log_lik_row, p, eps, row)
+        per_example = jax.vmap(jax.grad(ell), in_axes=(None, 0))(params, rows)
+        clipped, _ = clip_per_example(per_example, self.clip)
+        return jax.tree.map(lambda g: jnp.sum(jnp.where(_expand(bmask, g), g, 0.0), axis=0), clipped)
+
+    def gradient(self, params, key, arrays, mask, n, cavity, client_state):
+        from ..privacy.mechanisms import gaussian_noise_like
+
+        k_batch, k_eps, k_noise = jax.random.split(key, 3)
+        rows, bmask = self.batch(k_batch, arrays, mask, n)
+        eps = jax.random.normal(k_eps, (self.num_samples, self.dim))
+        summed = self.clipped_sum(params, eps, rows, bmask)
+        noise = jax.tree.map(lambda z: client_state["noise_std"] * z, gaussian_noise_like(k_noise, summed, 1.0))
+        prior_value, prior_grad = jax.value_and_grad(lambda p: objectives.cavity_term(p, cavity) / n)(params)
+        grads = jax.tree.map(lambda s, z, pg: -((s + z) / self.batch_size + pg), summed, noise, prior_grad)
+        return grads, -prior_value
+
+
+def _expand(flag, x):
+    return jnp.reshape(flag, flag.shape + (1,) * (x.ndim - flag.ndim))

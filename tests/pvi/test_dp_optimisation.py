@@ -1,0 +1,149 @@
+"""DP optimisation (DP-SGD in the local step): sensitivity, sampler/ledger agreement, budgets, resume."""
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import optax
+import pytest
+
+import numpyro_dppvi as dppvi
+from numpyro_dppvi import factors
+from numpyro_dppvi.privacy import Privacy
+from numpyro_dppvi.privacy.mechanisms import tree_norm
+
+from .conftest import logistic
+
+
+def small_clients(m=3, n=200, d=4, seed=0):
+    rng = np.random.default_rng(seed)
+    x = rng.normal(size=(m * n, d)).astype(np.float32)
+    y = (rng.uniform(size=m * n) < 1 / (1 + np.exp(-x @ np.arange(1.0, d + 1)))).astype(np.float32)
+    return dppvi.partition((x, y), num_clients=m, seed=seed)
+
+
+def driver(privacy, schedule="synchronous", rounds=2, local_steps=5, batch_size=20):
+    return dppvi.DPPVI(logistic, method="dp_optimisation", privacy=privacy, schedule=schedule, rounds=rounds,
+                       local_steps=local_steps, batch_size=batch_size, optimizer=optax.adam(1e-2), damping=0.5)
+
+
+@pytest.mark.parametrize("relation,bound", [("add_remove", 1.0), ("substitute", 2.0)])
+def test_clipped_sum_sensitivity_on_neighbouring_datasets(relation, bound):
+    """Removing (or replacing) one row moves the pre-noise clipped sum by at most C (or 2C)."""
+    clip = 0.7
+    d = driver(Privacy(noise_multiplier=1.0, clip=clip, neighbouring=relation))
+    clients = small_clients()
+    d.init(jax.random.key(0), clients)
+    clipped_sum = jax.jit(d.rule.clipped_sum)
+    rng = np.random.default_rng(1)
+    x, y = clients[0]
+    worst = 0.0
+    for trial in range(20):
+        params = {"loc": jnp.asarray(rng.normal(size=d.adapter.dim) * 3, jnp.float32),
+                  "log_scale": jnp.asarray(rng.normal(size=d.adapter.dim), jnp.float32)}
+        eps = jax.random.normal(jax.random.key(trial), (4, d.adapter.dim))
+        rows = (jnp.asarray(x[:30]), jnp.asarray(y[:30]))
+        mask = jnp.ones(30, bool)
+        base = clipped_sum(params, eps, rows, mask)
+        if relation == "add_remove":
+            neighbour_mask = mask.at[trial % 30].set(False)
+            other = clipped_sum(params, eps, rows, neighbour_mask)
+        else:
+            changed = (rows[0].at[trial % 30].set(jnp.asarray(rng.normal(size=x.shape[1]) * 50, jnp.float32)),
+                       rows[1].at[trial % 30].set(1.0 - rows[1][trial % 30]))
+            other = clipped_sum(params, eps, changed, mask)
+        diff = float(tree_norm(jax.tree.map(jnp.subtract, base, other)))
+        worst = max(worst, diff)
+        assert diff <= bound * clip * (1 + 1e-5)
+    assert worst > 0.5 * clip  # the bound is approached: clipping binds on these far-out parameters
+
+
+def test_poisson_sampler_rate_matches_ledger():
+    """The sampler the rule uses includes rows at the rate the ledger accounts (batch_size / n_m)."""
+    privacy = Privacy(noise_multiplier=1.0, clip=1.0)
+    d = driver(privacy, batch_size=20)
+    clients = small_clients(n=200)
+    d.init(jax.random.key(0), clients)
+    sample = jax.jit(jax.vmap(lambda k: d.rule.batch(k, d.data and tuple(a[0] for a in d.data), d.mask[0], d.sizes[0])[1]))
+    masks = sample(jax.random.split(jax.random.key(5), 2000))
+    rate = float(jnp.mean(jnp.sum(masks, axis=1))) / 200
+    # 2000 draws of Binomial(200, 0.1): the mean batch has sd sqrt(200 * 0.09 / 2000) = 0.095 rows,
+    # i.e. 4.7e-4 in rate; 5 sd = 2.4e-3
+    assert abs(rate - 0.1) < 2.4e-3
+    result = d.run(None, clients, rounds=2, state=d.init(jax.random.key(0), clients), ledger=d.ledger)
+    for m in range(3):
+        (event,) = result.privacy.events(m)
+        assert event.sampling == d.rule.sampling == privacy.sampling == "poisson"
+        assert event.rate == pytest.approx(20 / 200)
+        assert event.count == 2 * 5
+
+
+def test_without_replacement_sampler_and_substitute_accounting():
+    privacy = Privacy(noise_multiplier=1.0, clip=1.0, sampling="without_replacement", neighbouring="substitute",
+                      accountant="rdp")
+    d = driver(privacy)
+    clients = small_clients()
+    result = d.run(jax.random.key(0), clients, rounds=1)
+    (event,) = result.privacy.events(0)
+    assert event.sampling == "without_replacement" and d.rule.sampling == "without_replacement"
+    # user noise multiplier 1 (std = C) is 0.5 relative to the substitution sensitivity 2C
+    assert event.noise_multiplier == pytest.approx(0.5)
+    masks = jax.vmap(lambda k: d.rule.batch(k, tuple(a[0] for a in d.data), d.mask[0], d.sizes[0])[1])(
+        jax.random.split(jax.random.key(1), 10))
+    assert np.all(np.sum(np.asarray(masks), axis=1) == 20)
+
+
+def test_budget_is_met_per_client_and_reported():
+    clients = small_clients(m=2, n=300)
+    clients = [clients[0], (clients[1][0][:120], clients[1][1][:120])]  # two different sampling rates
+    result = dppvi.fit_dppvi(logistic, clients, method="dp_optimisation",
+                             privacy=Privacy(epsilon=1.0, delta=1e-5, clip=1.0), schedule="sequential",
+                             rounds=3, local_steps=5, batch_size=20, rng_key=jax.random.key(0))
+    eps = result.privacy.epsilon_per_client
+    assert eps.shape == (2,)
+    assert np.all(eps <= 1.0) and np.all(eps > 0.98)  # calibrated, not over-noised (rtol 1e-3 on sigma)
+    sigmas = result.config["noise_multiplier"]
+    assert sigmas[1] > sigmas[0]  # the smaller client samples at a higher rate and needs more noise
+    assert result.privacy.epsilon == pytest.approx(eps.max())
+    assert "add_remove" in result.privacy.report()
+
+
+def test_epsilon_max_stops_a_client_and_the_fit_continues():
+    clients = small_clients(m=3)
+    result = dppvi.fit_dppvi(logistic, clients, method="dp_optimisation",
+                             privacy=Privacy(noise_multiplier=1.0, clip=1.0, epsilon_max=[100.0, 0.5, 100.0]),
+                             schedule="synchronous", rounds=4, local_steps=5, batch_size=20, rng_key=jax.random.key(0))
+    eps = result.privacy.epsilon_per_client
+    assert eps[1] <= 0.5 and eps[0] > eps[1]
+    stopped = [h for h in result.history if "stopped" in h]
+    assert stopped and stopped[0]["stopped"] == [1]
+    assert result.privacy.stopped[1]["reason"] == "epsilon_max"
+    assert not result.history[-1]["participated"][1] and result.history[-1]["participated"][0]
+
+
+def test_private_resume_continues_the_ledger(tmp_path):
+    clients = small_clients()
+    privacy = Privacy(noise_multiplier=1.2, clip=1.0)
+    full = driver(privacy).run(jax.random.key(4), clients, rounds=4)
+    d = driver(privacy)
+    part = d.run(jax.random.key(4), clients, rounds=2)
+    part.save(tmp_path / "p.npz")
+    loaded = dppvi.load(tmp_path / "p.npz", logistic, template_state=part.state)
+    assert loaded.privacy == part.privacy
+    resumed = driver(privacy).run(None, clients, rounds=2, state=loaded.state, history=loaded.history,
+                                  ledger=loaded.privacy)
+    np.testing.assert_array_equal(np.asarray(resumed.q.eta1), np.asarray(full.q.eta1))
+    np.testing.assert_allclose(resumed.privacy.epsilon_per_client, full.privacy.epsilon_per_client, rtol=1e-12)
+    with pytest.raises(ValueError, match="ledger"):
+        driver(privacy).run(None, clients, rounds=1, state=loaded.state)
+
+
+def test_private_method_argument_errors():
+    with pytest.raises(TypeError, match="privacy=dppvi.Privacy"):
+        dppvi.DPPVI(logistic, method="dp_optimisation", batch_size=10)
+    with pytest.raises(ValueError, match="batch_size"):
+        dppvi.DPPVI(logistic, method="dp_optimisation", privacy=Privacy(epsilon=1.0))
+    with pytest.raises(ValueError, match="not private"):
+        dppvi.DPPVI(logistic, privacy=Privacy(epsilon=1.0))
+    d = driver(Privacy(epsilon=1.0), batch_size=500)
+    with pytest.raises(ValueError, match="smaller than every client"):
+        d.init(jax.random.key(0), small_clients())
