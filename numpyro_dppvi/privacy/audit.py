@@ -67,29 +67,49 @@ def epsilon_lower_bound(false_positives: int, negatives: int, false_negatives: i
     return best
 
 
+def _cp_upper_array(failures, trials, alpha):
+    failures = np.asarray(failures)
+    safe = np.minimum(failures, trials - 1)
+    bound = stats.beta.ppf(1.0 - alpha, safe + 1, trials - safe)
+    return np.where(failures >= trials, 1.0, bound)
+
+
 def _lower_bounds_for_thresholds(stat_pos, stat_neg, thresholds, delta, confidence):
-    """Bound for each threshold of the test "D if statistic > t" (vectorised counts)."""
+    """Bound for each threshold of the test "D if statistic > t" (vectorised over thresholds;
+    same formula as :func:`epsilon_lower_bound`)."""
     pos = np.sort(stat_pos)
     neg = np.sort(stat_neg)
     false_neg = np.searchsorted(pos, thresholds, side="right")  # D runs with stat <= t
     false_pos = neg.size - np.searchsorted(neg, thresholds, side="right")
-    return np.array([
-        epsilon_lower_bound(int(fp), neg.size, int(fn), pos.size, delta, confidence)
-        for fp, fn in zip(false_pos, false_neg)
-    ])
+    alpha = (1.0 - confidence) / 2.0
+    a = _cp_upper_array(false_pos, neg.size, alpha)
+    b = _cp_upper_array(false_neg, pos.size, alpha)
+    with np.errstate(divide="ignore", invalid="ignore"):
+        first = np.where((1 - delta - b > 0) & (a > 0), np.log((1 - delta - b) / a), 0.0)
+        second = np.where((1 - delta - a > 0) & (b > 0), np.log((1 - delta - a) / b), 0.0)
+    return np.maximum(np.maximum(first, second), 0.0)
 
 
-def run_mechanism(mechanism: Callable, key, dataset, num_runs: int, chunk: int = 4096):
+def run_mechanism(mechanism: Callable, key, dataset, num_runs: int, chunk: int = 16384):
     """``num_runs`` outputs of ``mechanism(key_r, dataset)`` as an array ``[num_runs, d]``,
-    ``jit``-compiled and ``vmap``-ped over keys in chunks."""
-    batched = jax.jit(jax.vmap(lambda k: mechanism(k, dataset)))
-    keys = jax.random.split(key, num_runs)
+    ``jit``-compiled and ``vmap``-ped over keys in equal chunks (one compilation)."""
+    return _run(_batched(mechanism), key, dataset, num_runs, chunk)
+
+
+def _batched(mechanism):
+    return jax.jit(jax.vmap(mechanism, in_axes=(0, None)))
+
+
+def _run(batched, key, dataset, num_runs, chunk):
+    chunk = min(chunk, num_runs)
+    padded = -(-num_runs // chunk) * chunk
+    keys = jax.random.split(key, padded)
     outputs = []
-    for start in range(0, num_runs, chunk):
-        out = batched(keys[start:start + chunk])
+    for start in range(0, padded, chunk):
+        out = batched(keys[start:start + chunk], dataset)
         leaves = [jnp.reshape(leaf, (leaf.shape[0], -1)) for leaf in jax.tree_util.tree_leaves(out)]
         outputs.append(np.asarray(jnp.concatenate(leaves, axis=1), dtype=np.float64))
-    return np.concatenate(outputs, axis=0)
+    return np.concatenate(outputs, axis=0)[:num_runs]
 
 
 def audit(
@@ -123,8 +143,9 @@ def audit(
     if num_runs < 100:
         raise ValueError(f"num_runs must be >= 100 for a meaningful audit, got {num_runs}.")
     key_pos, key_neg = jax.random.split(key)
-    out_pos = run_mechanism(mechanism, key_pos, dataset, num_runs)
-    out_neg = run_mechanism(mechanism, key_neg, neighbour, num_runs)
+    batched = _batched(mechanism)
+    out_pos = _run(batched, key_pos, dataset, num_runs, 16384)
+    out_neg = _run(batched, key_neg, neighbour, num_runs, 16384)
     half = num_runs // 2
     sel_pos, ev_pos = out_pos[:half], out_pos[half:]
     sel_neg, ev_neg = out_neg[:half], out_neg[half:]
