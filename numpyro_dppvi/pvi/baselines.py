@@ -2,10 +2,14 @@
 
 * Global VI: VI on the pooled data, as if a trusted server held every row. It is PVI with one client
   holding everything; each optimiser step needs one exchange with every client (gradients on their
-  data), so a step counts as ``M`` communications.
+  data), so a step counts as ``M`` communications. With ``privacy``: DP-SGD on the pooled data at
+  rate ``batch_size / n`` (a trusted aggregator sums the clients' clipped gradients and adds the noise
+  once); every row takes part in every step's sampling, so every client's ledger row carries the
+  same events.
 * BCM (Tresp 2000), one round: every client fits ``q_k`` to its own data from a local prior, and the
   server combines them. ``prior="same"``: local prior ``p``, ``eta_q = sum_k eta_qk - (K - 1) eta_p``.
   ``prior="split"``: local prior ``p^(n_k / n)``, ``eta_q = sum_k eta_qk``.
+  With ``privacy``: each client trains by DP-SGD (DESIGN §5.1) for ``local_steps`` steps, once.
 """
 
 from __future__ import annotations
@@ -26,30 +30,38 @@ from .fit import DPPVI
 
 def fit_global_vi(model, clients, *, steps: int = 1000, steps_per_round: int = 100, batch_size: int | None = 100,
                   num_samples: int = 10, optimizer: optax.GradientTransformation | None = None, rng_key=None,
-                  eval_data=None, progress: bool = False) -> DPPVIResult:
-    """VI on the pooled data of ``clients``; history every ``steps_per_round`` steps."""
+                  eval_data=None, progress: bool = False, privacy=None) -> DPPVIResult:
+    """VI (``privacy=None``) or DP-SGD VI on the pooled data of ``clients``; history every ``steps_per_round`` steps."""
     clients = validate_clients(clients)
     if steps % steps_per_round:
         raise ValueError(f"steps ({steps}) must be a multiple of steps_per_round ({steps_per_round})")
     pooled = tuple(np.concatenate(parts) for parts in zip(*clients))
-    driver = DPPVI(model, method="pvi", schedule="sequential", optimizer=optimizer, local_steps=steps_per_round,
-                   batch_size=batch_size, num_samples=num_samples, damping=1.0)
+    rounds = steps // steps_per_round
+    driver = DPPVI(model, method="pvi" if privacy is None else "dp_optimisation", schedule="sequential",
+                   optimizer=optimizer, local_steps=steps_per_round, batch_size=batch_size, num_samples=num_samples,
+                   damping=1.0, privacy=privacy, rounds=rounds)
     rng_key = jax.random.key(0) if rng_key is None else rng_key
-    result = driver.run(rng_key, [pooled], steps // steps_per_round, eval_data=eval_data, progress=progress)
+    result = driver.run(rng_key, [pooled], rounds, eval_data=eval_data, progress=progress)
     for entry in result.history:
         entry["communications"] = entry["round"] * steps_per_round * len(clients)
-    result.method, result.schedule = "global_vi", None
+    if privacy is not None:
+        pooled_ledger = result.privacy
+        result.privacy = privacy.ledger(len(clients))
+        for event in pooled_ledger.events(0):
+            result.privacy.record_all(event)
+    result.method, result.schedule = "global_vi" if privacy is None else "dp_global_vi", None
     return result
 
 
 def fit_bcm(model, clients, *, prior: str = "same", local_steps: int = 1000, batch_size: int | None = 100,
             num_samples: int = 10, optimizer: optax.GradientTransformation | None = None, rng_key=None,
-            eval_data=None) -> DPPVIResult:
-    """Bayesian committee machine in one round (``prior="same" | "split"``)."""
+            eval_data=None, privacy=None) -> DPPVIResult:
+    """Bayesian committee machine in one round (``prior="same" | "split"``), optionally with DP-SGD training."""
     if prior not in ("same", "split"):
         raise ValueError(f"prior must be 'same' or 'split', got {prior!r}")
-    driver = DPPVI(model, method="pvi", schedule="synchronous", optimizer=optimizer, local_steps=local_steps,
-                   batch_size=batch_size, num_samples=num_samples, damping=1.0)
+    driver = DPPVI(model, method="pvi" if privacy is None else "dp_optimisation", schedule="synchronous",
+                   optimizer=optimizer, local_steps=local_steps, batch_size=batch_size, num_samples=num_samples,
+                   damping=1.0, privacy=privacy, rounds=1)
     rng_key = jax.random.key(0) if rng_key is None else rng_key
     start = time.perf_counter()
     state = driver.init(rng_key, clients)
@@ -64,6 +76,9 @@ def fit_bcm(model, clients, *, prior: str = "same", local_steps: int = 1000, bat
         return q_k
 
     q_k = jax.jit(fit_all)(driver.data, driver.mask, driver.sizes, jax.random.fold_in(jax.random.wrap_key_data(state.key), 1))
+    if driver.ledger is not None:
+        for m in range(len(driver.clients)):
+            driver.ledger.record(m, driver._step_event(m, local_steps))
     t_k = factors.divide(q_k, local_priors)  # each client's factor
     q = factors.multiply(q0, factors.product(t_k))
     factors.check_proper(q, "the BCM posterior")
@@ -73,4 +88,7 @@ def fit_bcm(model, clients, *, prior: str = "same", local_steps: int = 1000, bat
     if eval_data is not None:
         arrays = driver.adapter.validate_data(eval_data, "eval_data")
         entry.update(evaluate(driver.adapter, q, arrays, jax.random.fold_in(jax.random.wrap_key_data(state.key), 0x5EED)))
-    return DPPVIResult(driver.adapter, state, [entry], method=f"bcm_{prior}", schedule=None)
+    if driver.ledger is not None:
+        entry["epsilon"] = driver.ledger.epsilon
+    return DPPVIResult(driver.adapter, state, [entry], method=f"bcm_{prior}", schedule=None,
+                       privacy=driver.ledger, config=driver.config())

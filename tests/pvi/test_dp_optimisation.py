@@ -147,3 +147,16 @@ def test_private_method_argument_errors():
     d = driver(Privacy(epsilon=1.0), batch_size=500)
     with pytest.raises(ValueError, match="smaller than every client"):
         d.init(jax.random.key(0), small_clients())
+
+
+def test_private_baselines_spend_the_budget():
+    clients = small_clients(m=3)
+    privacy = Privacy(epsilon=2.0, delta=1e-5, clip=1.0)
+    g = dppvi.fit_global_vi(logistic, clients, steps=20, steps_per_round=10, batch_size=20, privacy=privacy)
+    eps = g.privacy.epsilon_per_client
+    assert eps.shape == (3,) and np.allclose(eps, eps[0]) and eps[0] <= 2.0
+    (event,) = g.privacy.events(2)
+    assert event.rate == pytest.approx(20 / 600) and event.count == 20
+    b = dppvi.fit_bcm(logistic, clients, local_steps=10, batch_size=20, privacy=privacy)
+    assert b.privacy.epsilon <= 2.0 and b.privacy.num_releases(0) == 10
+    assert np.all(np.isfinite(np.asarray(b.q.eta1)))
