@@ -133,13 +133,19 @@ def adaptive_clip_init(
     )
 
 
+def centred_count(norms, mask, clip) -> jax.Array:
+    """``sum_{i: mask_i} (1[norms_i <= clip] - 1/2)``: the count query before noise; one record
+    moves it by at most 1/2 (added/removed) or 1 (replaced)."""
+    below = (norms <= clip).astype(jnp.float32) - 0.5
+    return jnp.sum(jnp.where(mask, below, 0.0))
+
+
 def adaptive_clip_update(state: AdaptiveClipState, norms, mask, key) -> AdaptiveClipState:
     """One private quantile step: noisy centred count of ``norms <= clip`` over the batch rows
     (``mask``), then the geometric update of the clip. ``norms`` are the *unclipped*
     per-example norms of the step's batch (as returned by ``clip_per_example``)."""
-    below = (norms <= state.clip).astype(jnp.float32) - 0.5
-    centred_count = jnp.sum(jnp.where(mask, below, 0.0))
-    noisy = centred_count + state.count_noise_std * jax.random.normal(key, (), jnp.float32)
+    noisy = centred_count(norms, mask, state.clip) + state.count_noise_std * jax.random.normal(
+        key, (), jnp.float32)
     fraction_below = noisy / state.expected_batch_size + 0.5
     new_clip = state.clip * jnp.exp(-state.learning_rate * (fraction_below - state.target_quantile))
     return state._replace(clip=new_clip)

@@ -133,8 +133,8 @@ def audit(
       delta: the delta of the claim being audited.
       num_runs: runs per dataset (half choose the test, half evaluate it).
       statistic: ``outputs [r, d] -> [r]``; default: projection on the difference of the mean
-        outputs of the two datasets, estimated on the selection half (a linear likelihood-ratio
-        test, optimal for Gaussian noise on a sum).
+        outputs of the two datasets divided by the per-coordinate variance, both estimated on
+        the selection half (the likelihood-ratio test for Gaussian noise on a sum).
       confidence: probability with which the returned bound holds.
 
     Returns:
@@ -150,7 +150,10 @@ def audit(
     sel_pos, ev_pos = out_pos[:half], out_pos[half:]
     sel_neg, ev_neg = out_neg[:half], out_neg[half:]
     if statistic is None:
-        direction = sel_pos.mean(axis=0) - sel_neg.mean(axis=0)
+        # Fisher discriminant with diagonal covariance: the likelihood-ratio statistic for
+        # Gaussian noise of possibly different scales per coordinate
+        variance = 0.5 * (sel_pos.var(axis=0) + sel_neg.var(axis=0))
+        direction = (sel_pos.mean(axis=0) - sel_neg.mean(axis=0)) / np.maximum(variance, 1e-300)
         if not np.any(direction):
             direction = np.ones_like(direction)
 
