@@ -1,0 +1,100 @@
+import numpy as np
+import pytest
+
+from numpyro_dppvi.privacy import AdaptiveClip, PrivacyLedger, Privacy, plan_epsilon
+
+
+def test_units_follow_the_relation():
+    add = Privacy(noise_multiplier=1.2, clip=0.5)
+    assert add.sensitivity == 0.5
+    assert add.to_event(1.2) == pytest.approx(1.2)
+    sub = Privacy(noise_multiplier=1.2, clip=0.5, neighbouring="substitute")
+    assert sub.sensitivity == 1.0
+    assert sub.to_event(1.2) == pytest.approx(0.6)
+    assert sub.from_event(sub.to_event(1.7)) == pytest.approx(1.7)
+    assert sub.gradient_noise_std(1.2) == pytest.approx(1.2 * 0.5)  # std = z C always
+
+
+def test_step_event_uses_the_configured_sampler():
+    p = Privacy(noise_multiplier=1.0, sampling="without_replacement", neighbouring="substitute",
+                accountant="rdp")
+    e = p.step_event(1.0, 0.1, 25)
+    assert (e.sampling, e.rate, e.count, e.noise_multiplier) == ("without_replacement", 0.1, 25, 0.5)
+    full = p.step_event(1.0, 1.0)
+    assert full.sampling == "none"
+    pois = Privacy(noise_multiplier=1.0).step_event(1.0, 0.01, 3, overflow_probability=1e-13)
+    assert pois.sampling == "poisson" and pois.overflow_probability == 1e-13
+
+
+def test_resolve_calibrates_a_budget_for_every_client():
+    p = Privacy(epsilon=1.0, delta=1e-5, clip=2.0)
+    sizes = (1000, 4000)
+
+    def plan(z):
+        return [[p.step_event(z, 50 / n, 200)] for n in sizes]
+
+    z = p.resolve(plan)
+    ledger = p.ledger(len(sizes))
+    for m, events in enumerate(plan(z)):
+        for e in events:
+            ledger.record(m, e)
+    assert ledger.epsilon <= 1.0
+    assert plan_epsilon(lambda s: plan(p.from_event(s)), p.to_event(0.99 * z), 1e-5,
+                        "add_remove") > 1.0
+    assert isinstance(ledger, PrivacyLedger) and ledger.accountant == "pld"
+
+
+def test_resolve_with_noise_and_with_both():
+    def plan(z):
+        return [Privacy(noise_multiplier=1.0).step_event(z, 0.01, 100)]
+
+    assert Privacy(noise_multiplier=0.9).resolve(plan) == 0.9
+    assert Privacy(noise_multiplier=5.0, epsilon=1.0).resolve(plan) == 5.0
+    with pytest.raises(ValueError, match="noise_multiplier >="):
+        Privacy(noise_multiplier=0.8, epsilon=0.5).resolve(plan)
+    with pytest.raises(TypeError, match="callable"):
+        Privacy(noise_multiplier=1.0).resolve([])
+
+
+def test_epsilon_max_per_client():
+    assert np.all(np.isinf(Privacy(epsilon=1.0).epsilon_max_per_client(3)))
+    np.testing.assert_array_equal(Privacy(epsilon=1.0, epsilon_max=2).epsilon_max_per_client(2),
+                                  [2.0, 2.0])
+    p = Privacy(epsilon=1.0, epsilon_max=[1.0, 3.0])
+    np.testing.assert_array_equal(p.epsilon_max_per_client(2), [1.0, 3.0])
+    with pytest.raises(ValueError, match="one per client"):
+        p.epsilon_max_per_client(3)
+
+
+@pytest.mark.parametrize("kwargs,error,match", [
+    (dict(), ValueError, "epsilon"),
+    (dict(epsilon=0.0), ValueError, "epsilon"),
+    (dict(epsilon=-1.0), ValueError, "epsilon"),
+    (dict(epsilon="1"), TypeError, "epsilon"),
+    (dict(epsilon=1.0, delta=0.0), ValueError, "delta"),
+    (dict(epsilon=1.0, delta=1.5), ValueError, "delta"),
+    (dict(epsilon=1.0, clip=0.0), ValueError, "clip"),
+    (dict(epsilon=1.0, clip=float("inf")), ValueError, "clip"),
+    (dict(noise_multiplier=-1.0), ValueError, "noise_multiplier"),
+    (dict(epsilon=1.0, sampling="shuffle"), ValueError, "sampling"),
+    (dict(epsilon=1.0, neighbouring="replace"), ValueError, "neighbouring"),
+    (dict(epsilon=1.0, accountant="fourier"), ValueError, "accountant"),
+    (dict(epsilon=1.0, sampling="without_replacement"), ValueError, "substitute"),
+    (dict(epsilon=1.0, sampling="without_replacement", neighbouring="substitute"), ValueError,
+     "rdp"),
+    (dict(epsilon=1.0, neighbouring="substitute", accountant="rdp"), ValueError, "pld"),
+    (dict(epsilon=1.0, epsilon_max=0.0), ValueError, "epsilon_max"),
+    (dict(epsilon=1.0, epsilon_max="1"), TypeError, "epsilon_max"),
+    (dict(epsilon=1.0, adaptive_clip=0.5), TypeError, "AdaptiveClip"),
+])
+def test_validation(kwargs, error, match):
+    with pytest.raises(error, match=match):
+        Privacy(**kwargs)
+
+
+def test_valid_configs_are_frozen():
+    p = Privacy(epsilon=1.0, sampling="without_replacement", neighbouring="substitute",
+                accountant="rdp", adaptive_clip=AdaptiveClip(0.7))
+    with pytest.raises(AttributeError):
+        p.epsilon = 2.0
+    assert p.adaptive_clip.target_quantile == 0.7
