@@ -36,6 +36,10 @@ import jax.numpy as jnp
 from .events import GaussianEvent, check_neighbouring
 
 
+def _is_number(value) -> bool:
+    return isinstance(value, (int, float)) and not isinstance(value, bool)
+
+
 @dataclass(frozen=True)
 class AdaptiveClip:
     """Adaptive clipping settings for :class:`~numpyro_dppvi.privacy.config.Privacy`.
@@ -58,10 +62,12 @@ class AdaptiveClip:
             ("target_quantile", 0.0, 1.0), ("count_budget_fraction", 0.0, 1.0)
         ):
             value = getattr(self, name)
-            if not isinstance(value, (int, float)) or isinstance(value, bool) or not low < value < high:
-                raise ValueError(f"{name} must lie strictly between {low} and {high}, got {value!r}.")
+            if not _is_number(value) or not low < value < high:
+                raise ValueError(
+                    f"{name} must lie strictly between {low} and {high}, got {value!r}."
+                )
         lr = self.learning_rate
-        if not isinstance(lr, (int, float)) or isinstance(lr, bool) or not (math.isfinite(lr) and lr > 0):
+        if not _is_number(lr) or not (math.isfinite(lr) and lr > 0):
             raise ValueError(f"learning_rate must be a finite number > 0, got {lr!r}.")
 
 
@@ -89,7 +95,8 @@ def split_noise_multiplier(total: float, count_budget_fraction: float) -> tuple[
     return total / math.sqrt(1 - count_budget_fraction), total / math.sqrt(count_budget_fraction)
 
 
-def joint_noise_multiplier(gradient_noise_multiplier: float, count_noise_multiplier: float) -> float:
+def joint_noise_multiplier(gradient_noise_multiplier: float,
+                           count_noise_multiplier: float) -> float:
     """Noise multiplier of the joint (gradient sum, count) release: ``(z_g^-2 + z_b^-2)^-1/2``."""
     return (gradient_noise_multiplier**-2 + count_noise_multiplier**-2) ** -0.5
 

@@ -75,7 +75,8 @@ class Privacy:
     def __post_init__(self):
         set_ = object.__setattr__
         set_(self, "epsilon", _optional_positive("epsilon", self.epsilon))
-        set_(self, "noise_multiplier", _optional_positive("noise_multiplier", self.noise_multiplier))
+        set_(self, "noise_multiplier",
+             _optional_positive("noise_multiplier", self.noise_multiplier))
         if self.epsilon is None and self.noise_multiplier is None:
             raise ValueError(
                 "give a budget (epsilon=...) to calibrate the noise, or a noise_multiplier "

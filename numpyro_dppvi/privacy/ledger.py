@@ -139,7 +139,9 @@ class PrivacyLedger:
     def stop(self, client: int, reason: str = "epsilon_max", round: int | None = None) -> None:
         """Mark ``client`` as stopped: it releases nothing more (recording for it then raises)."""
         client = self._check_client(client)
-        self._stopped[client] = {"reason": str(reason), "round": None if round is None else int(round)}
+        self._stopped[client] = {
+            "reason": str(reason), "round": None if round is None else int(round)
+        }
 
     @property
     def stopped(self) -> dict[int, dict]:
@@ -225,7 +227,9 @@ class PrivacyLedger:
             lines.append(
                 f"{m:>6} {self.num_releases(m):>9} {eps[m]:>10.4f} {deltas[m]:>11.4g}  {desc}"
             )
-        lines.append(f"Overall: epsilon={float(np.max(eps)):.4f}, delta={float(np.max(deltas)):.4g}")
+        lines.append(
+            f"Overall: epsilon={float(np.max(eps)):.4f}, delta={float(np.max(deltas)):.4g}"
+        )
         return "\n".join(lines)
 
     def __repr__(self) -> str:
