@@ -99,10 +99,33 @@ def check_clients(clients: Sequence[VFLClient], y=None) -> int:
                 f"all clients must hold the same rows: {clients[0].name!r} has {n} rows, "
                 f"{c.name!r} has {c.num_rows}; align the rows (entity resolution) first"
             )
-    if y is not None:
-        y_arr = np.asarray(y)
+    for y_arr in map(np.asarray, jax.tree_util.tree_leaves(y)):
         if y_arr.ndim == 0 or y_arr.shape[0] != n:
             raise ValueError(f"y must have the clients' {n} rows on its leading axis, got {y_arr.shape}")
         if np.issubdtype(y_arr.dtype, np.floating) and not np.all(np.isfinite(y_arr)):
             raise ValueError("y contains NaN or inf; drop those rows on every client")
     return n
+
+
+def split_columns(feature_names: Sequence[str], covariates: Sequence[Sequence[str]]) -> list:
+    """Column indices of each client from the original covariates it holds.
+
+    A feature belongs to covariate ``c`` when its name is ``c`` or starts with ``c + "="`` or
+    ``c + "_"`` (one-hot and indicator columns). Every feature must belong to exactly one client.
+    """
+    names = list(feature_names)
+    owner = {}
+    for j, group in enumerate(covariates):
+        for cov in group:
+            hits = [i for i, f in enumerate(names)
+                    if f == cov or f.startswith(cov + "=") or f.startswith(cov + "_")]
+            if not hits:
+                raise ValueError(f"covariate {cov!r} matches no feature in {names}")
+            for i in hits:
+                if i in owner and owner[i] != j:
+                    raise ValueError(f"feature {names[i]!r} is claimed by two clients")
+                owner[i] = j
+    unassigned = [names[i] for i in range(len(names)) if i not in owner]
+    if unassigned:
+        raise ValueError(f"features {unassigned} belong to no client; assign their covariates")
+    return [np.array([i for i in range(len(names)) if owner[i] == j]) for j in range(len(covariates))]

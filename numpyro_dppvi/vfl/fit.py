@@ -40,7 +40,9 @@ def fit_vfl(
     Args:
         clients: the :class:`VFLClient` s, each with its own columns and sub-model.
         y: the response, held by the server (``"augmented"``, ``"split"``) or shared with the
-            clients (``"power"``).
+            clients (``"power"``). It may be a tuple of row arrays (e.g. ``(counts, log_offset)``)
+            when the likelihood needs more server-held row data; ``likelihood`` then receives
+            the rows of each (the first array is taken as the response by the amortised guide).
         likelihood: ``likelihood(eta, y)``: a NumPyro program that samples the shared parameters
             ``gamma`` (e.g. an intercept, a noise scale) and observes ``y`` given the linear
             predictor ``eta`` of shape ``[rows]``.
@@ -87,7 +89,7 @@ def fit_vfl(
     rng_key = jax.random.key(0) if rng_key is None else rng_key
     k_trace, k_init, k_run = jax.random.split(rng_key, 3)
 
-    y = jnp.asarray(y)
+    y = jax.tree_util.tree_map(jnp.asarray, y)
     server_layout = trace_layout(likelihood, (jnp.zeros((n,)), y), k_trace, what="likelihood")
     if not server_layout.observed:
         raise ValueError(

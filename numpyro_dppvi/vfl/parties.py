@@ -107,7 +107,7 @@ class ClientParty:
         others = jnp.arange(z_all.shape[0]) != self.position
         eta = g + jnp.sum(jnp.where(others[:, None], z_all, 0.0), axis=0)
         _, log_lik, _ = run_program(
-            self.likelihood, (eta, self.y[index]), self.server_layout, gamma_u, {}
+            self.likelihood, (eta, rows(self.y, index)), self.server_layout, gamma_u, {}
         )
         return (self.num_rows / index.shape[0]) * log_lik / self.num_clients
 
@@ -148,13 +148,13 @@ def make_client_party(client, *, position, formulation, guide, rho, y, likelihoo
     shared_y = formulation == "power"
     y_feature = None
     if shared_y:
-        y_arr = jnp.asarray(y, jnp.float32)
+        y_arr = jnp.asarray(jax.tree_util.tree_leaves(y)[0], jnp.float32)  # the response
         sd = jnp.std(y_arr)
         y_feature = (y_arr - jnp.mean(y_arr)) / jnp.where(sd > 0, sd, 1.0)
     party = ClientParty(
         client=client, layout=layout, theta_guide=DiagonalGaussian(layout, init_scale),
         aux_guide=aux, rho=rho, num_rows=n,
-        y=jnp.asarray(y) if shared_y else None, y_feature=y_feature,
+        y=y if shared_y else None, y_feature=y_feature,
         likelihood=likelihood if shared_y else None,
         server_layout=server_layout if shared_y else None,
         num_clients=num_clients, position=position, stl=stl,
@@ -184,7 +184,7 @@ class ServerParty:
         """``log p(gamma) + log|J| - log q(gamma)`` (the server's own ELBO term)."""
         eta0 = jnp.zeros((1,))
         log_prior, _, _ = run_program(
-            self.likelihood, (eta0, self.y[:1]), self.layout, gamma_u, {}
+            self.likelihood, (eta0, rows(self.y, jnp.arange(1))), self.layout, gamma_u, {}
         )
         return log_prior - log_q
 
@@ -192,7 +192,7 @@ class ServerParty:
         """``L_0`` of Algorithm 1 at one MC sample (zs: list of the clients' ``z_j``)."""
         gamma_u, log_q = self.sample_gamma(params, key)
         log_prior, log_lik, _ = run_program(
-            self.likelihood, (sum(zs), self.y[index]), self.layout, gamma_u, {}
+            self.likelihood, (sum(zs), rows(self.y, index)), self.layout, gamma_u, {}
         )
         return (self.num_rows / index.shape[0]) * log_lik + log_prior - log_q
 

@@ -70,19 +70,28 @@ class VFLResult:
         ``include_aux`` adds the training rows' auxiliary ``"<client>/z"`` (``[num_samples, n]``).
         """
         rng_key = jax.random.key(1) if rng_key is None else rng_key
+        cache = self.__dict__.setdefault("_samplers", {})
+        if (num_samples, include_aux) not in cache:
+            cache[num_samples, include_aux] = jax.jit(
+                lambda state, key: self._draw(state, key, num_samples, include_aux)
+            )
+        draws = cache[num_samples, include_aux](self.state, rng_key)
+        return {k: np.asarray(v) for k, v in draws.items()}
+
+    def _draw(self, state, rng_key, num_samples, include_aux):
         k_server, *k_clients = jax.random.split(rng_key, len(self.parties) + 1)
         out = {}
-        gamma = jax.vmap(lambda k: self.server.sample_gamma(self.state["server"], k)[0])(
+        gamma = jax.vmap(lambda k: self.server.sample_gamma(state["server"], k)[0])(
             jax.random.split(k_server, num_samples)
         )
-        out.update(jax.vmap(self.server.layout.constrain_latent)(gamma))
-        for party, p, k in zip(self.parties, self.state["clients"], k_clients):
+        out.update(self.server.layout.constrain_latent(gamma))  # transforms broadcast over draws
+        for party, p, k in zip(self.parties, state["clients"], k_clients):
             index = jnp.arange(party.num_rows)
             u, z, _ = jax.vmap(lambda kk: party.draw(p, kk, index))(jax.random.split(k, num_samples))
-            out.update(jax.vmap(party.layout.constrain_latent)(u))
+            out.update(party.layout.constrain_latent(u))
             if include_aux and party.aux_guide is not None:
                 out[f"{party.name}/{AUX_SITE}"] = z
-        return {k: np.asarray(v) for k, v in out.items()}
+        return out
 
     def to_arviz(self, num_samples: int = 1000, rng_key=None, include_aux: bool = False):
         """``arviz.InferenceData`` with a ``posterior`` group (one chain) of the latent sites."""
@@ -124,10 +133,17 @@ class VFLResult:
         """
         rng_key = jax.random.key(2) if rng_key is None else rng_key
         k_post, k_pred = jax.random.split(rng_key)
-        samples = self.sample_posterior(k_post, num_samples)
-        predictive = Predictive(self._predictive_model(x_new, model), posterior_samples=samples,
-                                params=self.point_params(), return_sites=return_sites)
+        predictive = self._predictive(self._predictive_model(x_new, model), k_post, num_samples,
+                                      return_sites)
         return {k: np.asarray(v) for k, v in predictive(k_pred).items()}
+
+    def _predictive(self, program, rng_key, num_samples, return_sites):
+        samples = self.sample_posterior(rng_key, num_samples)
+        if not samples:  # nothing latent (a plain split NN): the network is the prediction
+            return Predictive(program, num_samples=num_samples, params=self.point_params(),
+                              return_sites=return_sites)
+        return Predictive(program, posterior_samples=samples, params=self.point_params(),
+                          return_sites=return_sites)
 
     def log_predictive_density(self, x_new, y_new, rng_key=None, num_samples: int = 1000,
                                model: str | None = None) -> np.ndarray:
@@ -135,12 +151,12 @@ class VFLResult:
         rng_key = jax.random.key(3) if rng_key is None else rng_key
         k_post, k_pred = jax.random.split(rng_key)
         program = self._predictive_model(x_new, model)
-        samples = self.sample_posterior(k_post, num_samples)
+        latent = [s.name for s in self.server.layout.latent]
+        latent += [s.name for p in self.parties for s in p.layout.latent]
         aux = [f"{c.name}/{AUX_SITE}" for c in self.clients]
-        predictive = Predictive(program, posterior_samples=samples, params=self.point_params(),
-                                return_sites=list(samples) + aux)
-        full = predictive(k_pred)
+        full = self._predictive(program, k_post, num_samples, latent + aux)(k_pred)
         ll = log_likelihood(handlers.substitute(program, data=self.point_params()), full,
                             y=jnp.asarray(y_new))
-        per_draw = sum(jnp.reshape(v, (num_samples, -1)) for v in ll.values())
-        return np.asarray(logsumexp(per_draw, axis=0) - jnp.log(num_samples))
+        # one row of draws per posterior draw (a single row when nothing is random)
+        per_draw = sum(jnp.reshape(v, (v.shape[0], -1)) for v in ll.values())
+        return np.asarray(logsumexp(per_draw, axis=0) - jnp.log(per_draw.shape[0]))
