@@ -147,11 +147,11 @@ def fit_vips(model, data, *, privacy=None, batch_size: int | None = None, iterat
     scale = n / float(batch_size)
     symmetric = tuple(model.symmetric_blocks)
 
-    def one_step(params, inputs):
+    def one_step(arrays, params, inputs):
         t, key = inputs
         key_batch, key_noise = jax.random.split(key)
         idx, mask = sampler(key_batch)
-        batch = tuple(a[idx] for a in data)
+        batch = tuple(a[idx] for a in arrays)
         enp = model.expected_natural_params(params)
         ess, num_clipped = model.clipped_ess_sum(enp, batch, mask, bounds)
         if release is not None:
@@ -162,9 +162,13 @@ def fit_vips(model, data, *, privacy=None, batch_size: int | None = None, iterat
         new_params = model.refresh(blend(params, target, rho))
         return new_params, {"rho": rho, "batch_size": jnp.sum(mask), "num_clipped": num_clipped}
 
+    @jax.jit
+    def run(params, keys, arrays):  # data are arguments, not constants folded into the program
+        steps = (jnp.arange(iterations), keys)
+        return jax.lax.scan(lambda p, inputs: one_step(arrays, p, inputs), params, steps)
+
     params = model.init_params(key_init)
-    keys = jax.random.split(key_steps, iterations)
-    params, trace = jax.jit(lambda p, ks: jax.lax.scan(one_step, p, (jnp.arange(iterations), ks)))(params, keys)
+    params, trace = run(params, jax.random.split(key_steps, iterations), data)
     history = {name: np.asarray(value) for name, value in trace.items()}
 
     ledger = None
