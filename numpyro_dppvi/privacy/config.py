@@ -111,7 +111,10 @@ class Privacy:
             return _optional_positive("epsilon_max", value)
         if isinstance(value, (str, bytes)) or not isinstance(value, Sequence | np.ndarray):
             raise TypeError("epsilon_max must be a float, a sequence of floats or None.")
-        return tuple(_optional_positive("epsilon_max", v) for v in value)
+        values = tuple(_optional_positive("epsilon_max", v) for v in value)
+        if not values or None in values:
+            raise ValueError("epsilon_max needs one positive value per client (or one float).")
+        return values
 
     # ------------------------------------------------------------------ units
     @property

@@ -1,5 +1,9 @@
+import math
+
 import numpy as np
 import pytest
+from hypothesis import given, settings
+from hypothesis import strategies as st
 
 from numpyro_dppvi.privacy import AdaptiveClip, PrivacyLedger, Privacy, plan_epsilon
 
@@ -99,3 +103,29 @@ def test_valid_configs_are_frozen():
     with pytest.raises(AttributeError):
         p.epsilon = 2.0
     assert p.adaptive_clip.target_quantile == 0.7
+
+
+_anything = st.one_of(
+    st.none(), st.booleans(), st.integers(-5, 5), st.text(max_size=3),
+    st.floats(allow_nan=True, allow_infinity=True), st.lists(st.floats(-2, 2), max_size=2),
+)
+
+
+@settings(max_examples=150, deadline=None)
+@given(epsilon=_anything, delta=_anything, clip=_anything, noise_multiplier=_anything,
+       epsilon_max=_anything)
+def test_hostile_inputs_either_raise_clearly_or_give_a_valid_config(
+        epsilon, delta, clip, noise_multiplier, epsilon_max):
+    try:
+        p = Privacy(epsilon=epsilon, delta=delta, clip=clip, noise_multiplier=noise_multiplier,
+                    epsilon_max=epsilon_max)
+    except (ValueError, TypeError) as error:
+        assert str(error)  # a message that names the problem
+        return
+    assert p.epsilon is not None or p.noise_multiplier is not None
+    for value in (p.epsilon, p.noise_multiplier):
+        assert value is None or (math.isfinite(value) and value > 0)
+    assert 0 < p.delta < 1 and math.isfinite(p.clip) and p.clip > 0
+    assert p.epsilon_max is None or all(
+        math.isfinite(v) and v > 0
+        for v in ((p.epsilon_max,) if isinstance(p.epsilon_max, float) else p.epsilon_max))
