@@ -1,0 +1,83 @@
+"""Examples at their small default size (smoke), and the Adult logistic-regression targets.
+
+Tests that need the data home skip when it is absent (set NUMPYRO_DPPVI_DATA)."""
+
+import importlib.util
+from pathlib import Path
+
+import numpy as np
+import pytest
+
+from numpyro_dppvi import datasets
+
+EXAMPLES = Path(__file__).resolve().parents[2] / "examples"
+
+
+def _example(name):
+    spec = importlib.util.spec_from_file_location(name, EXAMPLES / f"{name}.py")
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module
+
+
+def _require(relpath):
+    try:
+        datasets.dataset_path(relpath)
+    except (datasets.DatasetNotFoundError, OSError) as err:
+        pytest.skip(f"data set not in the data home ({err.__class__.__name__}); set NUMPYRO_DPPVI_DATA")
+
+
+def test_lda_example_smoke():
+    _require("nyt/nyt.ldac.gz")
+    rows = _example("vips_lda_nyt").main(["--documents", "150", "--iterations", "2", "--topics", "3",
+                                          "--batch-size", "50", "--inner-iterations", "3", "--epsilon", "2.0"])
+    assert [r["method"] for r in rows] == ["unigram", "LDA", "VIPS LDA"]
+    assert all(np.isfinite(r["perplexity"]) and r["perplexity"] > 1 for r in rows)
+    assert rows[2]["epsilon"] <= 2.0
+
+
+def test_sbn_example_smoke():
+    _require("mnist/train-images.idx3-ubyte.gz")
+    rows = _example("vips_sbn_mnist").main(["--hidden", "3", "--train", "300", "--batch-size", "150"])
+    assert [r["method"] for r in rows] == ["mean image", "SBN", "VIPS SBN"]
+    assert all(0.5 < r["pixel_accuracy"] <= 1.0 for r in rows)
+    assert rows[2]["epsilon"] > 0
+
+
+@pytest.fixture(scope="module")
+def adult():
+    example = _example("vips_logistic_adult")
+    return example, example.load()
+
+
+@pytest.mark.slow
+def test_adult_non_private_auc(adult):
+    example, (x, y, x_test, y_test) = adult
+    result = example.fit_vips_logistic(x, y, None, 0, iterations=20)
+    metrics = example.evaluate(example.vips_scores(result, x_test), y_test)
+    assert metrics["auc"] >= 0.89  # measured 0.907
+
+
+@pytest.mark.slow
+def test_adult_private_auc_and_accuracy(adult):
+    """epsilon = 1, delta = 1e-5 (PLD, Poisson/add-remove accounting): full-batch PG-VB, 10 releases."""
+    example, (x, y, x_test, y_test) = adult
+    result = example.fit_vips_logistic(x, y, 1.0, 0)
+    assert result.epsilon <= 1.0
+    metrics = example.evaluate(example.vips_scores(result, x_test), y_test)
+    assert metrics["auc"] >= 0.87 and metrics["accuracy"] >= 0.83  # measured 0.894 / 0.847
+
+
+@pytest.mark.slow
+@pytest.mark.xfail(strict=True, reason=(
+    "paper Fig. 6 finding not reproduced: at epsilon = 1 DP-SGD VI (400 steps, batch 400, clip 1, "
+    "Adam 1e-2) reaches test AUC 0.904 vs 0.894 for VIPS; also in the paper's regime (rate 0.004, "
+    "100 steps): 0.884 vs 0.876. See docs/vips.md."))
+def test_adult_vips_at_least_as_good_as_dpsgd_vi(adult):
+    example, (x, y, x_test, y_test) = adult
+    vips = example.fit_vips_logistic(x, y, 1.0, 0)
+    baseline = example.fit_dpsgd_vi(x, y, 1.0, 0)
+    assert baseline.privacy.epsilon <= 1.0 and vips.epsilon <= 1.0
+    vips_auc = example.evaluate(example.vips_scores(vips, x_test), y_test)["auc"]
+    dpsgd_auc = example.evaluate(example.dpsgd_scores(baseline, x_test), y_test)["auc"]
+    assert vips_auc >= dpsgd_auc
