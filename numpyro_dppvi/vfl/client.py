@@ -45,6 +45,8 @@ class VFLClient:
         leaves = jax.tree_util.tree_leaves(self.x)
         if not leaves:
             raise ValueError(f"VFLClient {self.name!r}: x is empty; pass the client's columns")
+        if any(isinstance(leaf, jax.core.Tracer) for leaf in leaves):
+            return  # rebuilt inside a compiled program: checked when the fit started
         n = np.shape(leaves[0])[0] if np.ndim(leaves[0]) else None
         for leaf in leaves:
             if np.ndim(leaf) == 0 or np.shape(leaf)[0] != n:

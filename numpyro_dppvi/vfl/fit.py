@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import dataclasses
 from typing import Callable, Sequence
 
 import jax
@@ -9,10 +10,11 @@ import jax.numpy as jnp
 import numpy as np
 import optax
 
+from .cache import cached, shapes
 from .client import VFLClient, check_clients
 from .guides import GUIDES, DiagonalGaussian
 from .models import _check_rho
-from .parties import FORMULATIONS, ServerParty, make_client_party
+from .parties import FORMULATIONS, ServerParty, make_client_party, standardised_response
 from .protocol import Channel, make_step
 from .results import VFLResult
 from .sites import trace_layout
@@ -110,19 +112,47 @@ def fit_vfl(
         )
         for j, c in enumerate(clients)
     ]
-    init, step, _ = make_step(parties, server, optimizer, formulation=formulation,
-                              num_samples=num_samples, batch_size=batch_size, num_rows=n)
+    init, _, _ = make_step(parties, server, optimizer, formulation=formulation,
+                           num_samples=num_samples, batch_size=batch_size, num_rows=n)
     state = init(k_init)
-
-    recorder = Channel()
-    jax.eval_shape(lambda s, k: step(s, k, recorder), state, k_run)
-
-    def run(state, keys):
-        return jax.lax.scan(lambda s, k: step(s, k, Channel()), state, keys)
-
-    state, elbo = jax.jit(run)(state, jax.random.split(k_run, steps))
+    signature = (
+        formulation, guide, rho, num_samples, batch_size, amortized_hidden, init_scale, stl,
+        likelihood, shapes(y), tuple((c.name, c.submodel, shapes(c.x)) for c in clients),
+    )
+    run, recorder = cached(
+        ("fit",) + signature + (optimizer,),
+        lambda: _compile_run(parties, server, optimizer, formulation, num_samples, batch_size, n),
+    )
+    state, elbo = run([c.x for c in clients], y, state, jax.random.split(k_run, steps))
     return VFLResult(
         clients=list(clients), likelihood=likelihood, formulation=formulation, guide=guide,
         rho=rho, parties=parties, server=server, state=state, elbo=np.asarray(elbo),
-        messages=recorder.messages, steps=steps,
+        messages=recorder.messages, steps=steps, signature=signature,
     )
+
+
+def _with_data(parties, server, xs, y):
+    """The parties of a compiled program, holding the program's data arguments."""
+    def client(p, x):
+        shared = p.y is not None
+        return dataclasses.replace(
+            p, client=p.client.with_x(x), y=y if shared else None,
+            y_feature=standardised_response(y) if shared else None,
+        )
+
+    return [client(p, x) for p, x in zip(parties, xs)], dataclasses.replace(server, y=y)
+
+
+def _compile_run(parties, server, optimizer, formulation, num_samples, batch_size, n):
+    """``run(xs, y, state, keys) -> (state, elbo trace)``, jitted, plus the message recorder."""
+    recorder = Channel()
+
+    def run(xs, y, state, keys):
+        ps, sv = _with_data(parties, server, xs, y)
+        _, step, _ = make_step(ps, sv, optimizer, formulation=formulation,
+                               num_samples=num_samples, batch_size=batch_size, num_rows=n)
+        if not recorder.messages:
+            jax.eval_shape(lambda s, k: step(s, k, recorder), state, keys[0])
+        return jax.lax.scan(lambda s, k: step(s, k, Channel()), state, keys)
+
+    return jax.jit(run), recorder

@@ -146,11 +146,7 @@ def make_client_party(client, *, position, formulation, guide, rho, y, likelihoo
         aux = make_aux_guide(guide, num_rows=n, rho=rho, uses_y=formulation == "power",
                              hidden=hidden, init_scale=init_scale)
     shared_y = formulation == "power"
-    y_feature = None
-    if shared_y:
-        y_arr = jnp.asarray(jax.tree_util.tree_leaves(y)[0], jnp.float32)  # the response
-        sd = jnp.std(y_arr)
-        y_feature = (y_arr - jnp.mean(y_arr)) / jnp.where(sd > 0, sd, 1.0)
+    y_feature = standardised_response(y) if shared_y else None
     party = ClientParty(
         client=client, layout=layout, theta_guide=DiagonalGaussian(layout, init_scale),
         aux_guide=aux, rho=rho, num_rows=n,
@@ -160,6 +156,14 @@ def make_client_party(client, *, position, formulation, guide, rho, y, likelihoo
         num_clients=num_clients, position=position, stl=stl,
     )
     return party
+
+
+def standardised_response(y):
+    """``(y - mean) / sd`` of the response (the first array of ``y``): the amortised guide's
+    input in the power formulation."""
+    y_arr = jnp.asarray(jax.tree_util.tree_leaves(y)[0], jnp.float32)
+    sd = jnp.std(y_arr)
+    return (y_arr - jnp.mean(y_arr)) / jnp.where(sd > 0, sd, 1.0)
 
 
 @dataclass(frozen=True)

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import functools
 from collections import Counter
 from dataclasses import dataclass, field
 from typing import Any, Callable, Sequence
@@ -10,10 +11,12 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 from jax.scipy.special import logsumexp
-from numpyro import handlers
-from numpyro.infer import Predictive, log_likelihood
+from numpyro.infer import Predictive
 
+from .cache import cached, shapes
+from .client import check_clients
 from .models import AUX_SITE, augmented_model, centralised_model
+from .sites import log_lik_rows, run_program
 
 
 @dataclass
@@ -38,6 +41,7 @@ class VFLResult:
     elbo: np.ndarray
     messages: list
     steps: int
+    signature: tuple | None = None  # static structure, for reusing compiled programs
     history: dict = field(init=False)
 
     def __post_init__(self):
@@ -71,14 +75,13 @@ class VFLResult:
         """
         rng_key = jax.random.key(1) if rng_key is None else rng_key
         cache = self.__dict__.setdefault("_samplers", {})
-        if (num_samples, include_aux) not in cache:
-            cache[num_samples, include_aux] = jax.jit(
-                lambda state, key: self._draw(state, key, num_samples, include_aux)
-            )
-        draws = cache[num_samples, include_aux](self.state, rng_key)
-        return {k: np.asarray(v) for k, v in draws.items()}
+        if num_samples not in cache:  # one program per draw count; z is dropped when not asked
+            cache[num_samples] = jax.jit(lambda state, key: self._draw(state, key, num_samples))
+        draws = cache[num_samples](self.state, rng_key)
+        aux = {f"{p.name}/{AUX_SITE}" for p in self.parties}
+        return {k: np.asarray(v) for k, v in draws.items() if include_aux or k not in aux}
 
-    def _draw(self, state, rng_key, num_samples, include_aux):
+    def _draw(self, state, rng_key, num_samples):
         k_server, *k_clients = jax.random.split(rng_key, len(self.parties) + 1)
         out = {}
         gamma = jax.vmap(lambda k: self.server.sample_gamma(state["server"], k)[0])(
@@ -89,7 +92,7 @@ class VFLResult:
             index = jnp.arange(party.num_rows)
             u, z, _ = jax.vmap(lambda kk: party.draw(p, kk, index))(jax.random.split(k, num_samples))
             out.update(party.layout.constrain_latent(u))
-            if include_aux and party.aux_guide is not None:
+            if party.aux_guide is not None:
                 out[f"{party.name}/{AUX_SITE}"] = z
         return out
 
@@ -147,16 +150,43 @@ class VFLResult:
 
     def log_predictive_density(self, x_new, y_new, rng_key=None, num_samples: int = 1000,
                                model: str | None = None) -> np.ndarray:
-        """Per-row ``log p(y_i | x_i, data) ~= log mean_s p(y_i | draw s)`` for new rows."""
+        """Per-row ``log p(y_i | x_i, data) ~= log mean_s p(y_i | draw s)`` for new rows.
+
+        Draw ``s``: ``theta, gamma ~ q``; ``g_j`` on the new rows; ``eta = sum_j z_j`` with new
+        ``z_j ~ N(g_j, rho)`` (``model="augmented"``, the default after an augmented fit) or
+        ``eta = sum_j g_j`` (``"centralised"``). One compiled program, reused across results
+        with the same structure (e.g. the folds of a cross-validation).
+        """
         rng_key = jax.random.key(3) if rng_key is None else rng_key
-        k_post, k_pred = jax.random.split(rng_key)
-        program = self._predictive_model(x_new, model)
-        latent = [s.name for s in self.server.layout.latent]
-        latent += [s.name for p in self.parties for s in p.layout.latent]
-        aux = [f"{c.name}/{AUX_SITE}" for c in self.clients]
-        full = self._predictive(program, k_post, num_samples, latent + aux)(k_pred)
-        ll = log_likelihood(handlers.substitute(program, data=self.point_params()), full,
-                            y=jnp.asarray(y_new))
-        # one row of draws per posterior draw (a single row when nothing is random)
-        per_draw = sum(jnp.reshape(v, (v.shape[0], -1)) for v in ll.values())
-        return np.asarray(logsumexp(per_draw, axis=0) - jnp.log(per_draw.shape[0]))
+        model = model or ("augmented" if self.formulation == "augmented" else "centralised")
+        if model not in ("augmented", "centralised"):
+            raise ValueError(f"model must be 'augmented' or 'centralised', got {model!r}")
+        xs = [c.x for c in self._new_clients(x_new)]
+        check_clients(self._new_clients(x_new), y_new)
+        y_new = jax.tree_util.tree_map(jnp.asarray, y_new)
+        build = lambda: jax.jit(functools.partial(  # noqa: E731
+            _log_predictive_density, self.parties, self.server, self.rho, model, num_samples))
+        key = None if self.signature is None else (
+            "lpd", self.signature, model, num_samples, shapes(xs), shapes(y_new))
+        program = build() if key is None else cached(key, build)
+        return np.asarray(program(xs, y_new, self.state, rng_key))
+
+
+def _log_predictive_density(parties, server, rho, model, num_samples, xs, y, state, rng_key):
+    def one_draw(key):
+        k_server, *k_clients = jax.random.split(key, len(parties) + 1)
+        gamma_u, _ = server.sample_gamma(state["server"], k_server)
+        eta = 0.0
+        for party, params, x, k in zip(parties, state["clients"], xs, k_clients):
+            k_theta, k_z = jax.random.split(k)
+            guide = party.theta_guide
+            u, _ = guide.sample(params["theta"], guide.noise_like(k_theta))
+            _, _, g = run_program(party.client.scoped_submodel, (x,), party.layout, u,
+                                  params["point"])
+            if model == "augmented":
+                g = g + rho * jax.random.normal(k_z, g.shape)
+            eta = eta + g
+        return log_lik_rows(server.likelihood, (eta, y), server.layout, gamma_u, {})
+
+    per_draw = jax.vmap(one_draw)(jax.random.split(rng_key, num_samples))
+    return logsumexp(per_draw, axis=0) - jnp.log(num_samples)

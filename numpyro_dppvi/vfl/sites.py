@@ -125,3 +125,26 @@ def unconstrained_zeros_like(layout: ProgramLayout) -> dict:
 def tree_size(tree) -> int:
     """Number of scalars in a pytree of arrays."""
     return int(sum(jnp.size(leaf) for leaf in jax.tree_util.tree_leaves(tree)))
+
+
+def log_lik_rows(fn: Callable, args: tuple, layout: ProgramLayout, u: dict, v: dict):
+    """Per-row log-likelihood of ``fn(*args)``: observed sites' log-probabilities, not summed.
+
+    Every observed site must carry the row on its leading axis (e.g. sampled inside a plate over
+    rows); the rows' terms of several observed sites are added.
+    """
+    data = {**layout.constrain_latent(u), **layout.constrain_params(v)}
+    with handlers.trace() as trace, handlers.substitute(data=data):
+        fn(*args)
+    total = None
+    for name, site in trace.items():
+        if site["type"] == "sample" and site["is_observed"]:
+            lp = site["fn"].log_prob(site["value"])
+            if jnp.ndim(lp) == 0:
+                raise ValueError(
+                    f"observed site {name!r} has no row axis; sample it inside "
+                    "numpyro.plate(..., eta.shape[0]) for per-row predictive densities"
+                )
+            lp = jnp.reshape(lp, (lp.shape[0], -1)).sum(-1)
+            total = lp if total is None else total + lp
+    return total

@@ -1,0 +1,40 @@
+"""Reuse of compiled VFL programs across fits with the same static structure.
+
+A fit's jitted programs take the data as arguments (never as closed-over constants), so that a
+second fit with the same clients' sub-models, likelihood, settings and array shapes (e.g. the next
+fold of a cross-validation) reuses the compiled program instead of compiling it again. The key
+holds only static, hashable things: functions by identity, settings, names, shapes and dtypes.
+"""
+
+from __future__ import annotations
+
+from collections import OrderedDict
+from typing import Callable
+
+import jax
+import numpy as np
+
+_MAX_ENTRIES = 32
+_PROGRAMS: OrderedDict = OrderedDict()
+
+
+def shapes(tree) -> tuple:
+    """Static description of a pytree of arrays: structure, shapes and dtypes."""
+    leaves, treedef = jax.tree_util.tree_flatten(tree)
+    return (str(treedef),) + tuple(
+        (tuple(np.shape(a)), str(getattr(a, "dtype", np.asarray(a).dtype))) for a in leaves
+    )
+
+
+def cached(key: tuple, build: Callable[[], Callable]) -> Callable:
+    """The program stored under ``key``, built (and stored) on first use."""
+    try:
+        program = _PROGRAMS.pop(key)
+    except KeyError:
+        program = build()
+    except TypeError:  # unhashable part in the key: no reuse
+        return build()
+    _PROGRAMS[key] = program
+    while len(_PROGRAMS) > _MAX_ENTRIES:
+        _PROGRAMS.popitem(last=False)
+    return program
