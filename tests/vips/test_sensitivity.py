@@ -76,7 +76,7 @@ def _rescaled_joint(ess, bounds):
 
 
 @pytest.mark.parametrize("name,model,data", CASES, ids=IDS)
-@pytest.mark.parametrize("factor", [1.0, 0.3])
+@pytest.mark.parametrize("factor", [0.3])  # clipping active; factor 1 is covered by the raw-bound test
 def test_neighbouring_batches_move_the_clipped_sum_by_at_most_the_bound(name, model, data, factor):
     data = model.validate_data(data)
     bounds = {b: c * factor for b, c in model.block_bounds.items()}  # Privacy.clip = factor
