@@ -78,7 +78,7 @@ def fit_bcm(model, clients, *, prior: str = "same", local_steps: int = 1000, bat
     q_k = jax.jit(fit_all)(driver.data, driver.mask, driver.sizes, jax.random.fold_in(jax.random.wrap_key_data(state.key), 1))
     if driver.ledger is not None:
         for m in range(len(driver.clients)):
-            driver.ledger.record(m, driver._step_event(m, local_steps))
+            driver.ledger.record(m, driver.plan.event(m, 1))
     t_k = factors.divide(q_k, local_priors)  # each client's factor
     q = factors.multiply(q0, factors.product(t_k))
     factors.check_proper(q, "the BCM posterior")

@@ -23,10 +23,14 @@ from ..model import ModelAdapter
 from ..results import DPPVIResult
 from . import server
 from .local import DPOptimisation, NonPrivate, ServerFactorStep
+from .privacy_plan import client_level_plan, dp_sgd_plan, shard_update_plan
 from .server import SCHEDULES, PVIState
+from .shards import make_shards
+from .update_perturbation import INVALID_RULES, LocalAveraging, VirtualClients
 
-METHODS = ("pvi", "dp_optimisation")
-PRIVATE_METHODS = ("dp_optimisation",)
+METHODS = ("pvi", "dp_optimisation", "local_averaging", "virtual_clients", "parameter_perturbation")
+UPDATE_METHODS = ("local_averaging", "virtual_clients", "parameter_perturbation")
+PRIVACY_UNITS = ("example", "client")
 
 
 class DPPVI:
@@ -34,39 +38,73 @@ class DPPVI:
 
     Args:
         model: a ``@dppvi.model`` NumPyro model taking the data arrays positionally.
-        method: ``"pvi"`` (non-private).
+        method: ``"pvi"`` (non-private local steps), ``"dp_optimisation"`` (DP-SGD in the local step),
+            ``"local_averaging"``, ``"virtual_clients"`` or ``"parameter_perturbation"`` (privacy by
+            perturbing model updates; without ``privacy`` they run without clipping or noise).
         schedule: ``"sequential" | "synchronous" | "asynchronous"``.
         optimizer: an optax ``GradientTransformation`` for the local steps (default ``adam(1e-2)``).
-        local_steps: optimiser steps per client per round.
-        batch_size: rows per local step (``None``: the client's whole data).
+        local_steps: optimiser steps per client (per shard for update perturbation) per round.
+        batch_size: rows per local step (``None``: the client's whole data; DP optimisation: the
+            expected Poisson batch, or the fixed batch without replacement).
         num_samples: Monte Carlo draws of ``q`` per step, shared across the batch.
         damping: ``rho`` in ``t_m <- t_m + rho (q_new - q)``.
         server_steps: steps of the server's prior-factor refinement per round (non-Gaussian priors).
-        privacy: a :class:`~numpyro_dppvi.privacy.Privacy` for the private methods.
+        privacy: a :class:`~numpyro_dppvi.privacy.Privacy`.
         rounds: the planned number of rounds; needed to calibrate the noise to a budget.
+        shards: local partitions per client for update perturbation: an int or ``f(n_m) -> int``.
+        invalid: rule for noisy updates with a non-positive precision: ``"reject"`` or ``"floor"``.
+        precision_floor: the precision floor of ``invalid="floor"``.
+        trusted_aggregator: synchronous update perturbation where each of the ``M`` participating
+            clients adds noise ``sigma C / sqrt(M)`` and only the sum is revealed (DESIGN §5.3).
+        privacy_unit: ``"example"`` (default) or ``"client"`` (client-level DP, synchronous,
+            ``method="pvi"`` local steps; clients sampled with probability ``client_rate``).
     """
 
     def __init__(self, model, method: str = "pvi", schedule: str = "synchronous",
                  optimizer: optax.GradientTransformation | None = None, local_steps: int = 10,
                  batch_size: int | None = None, num_samples: int = 10, damping: float = 1.0,
-                 server_steps: int = 50, privacy=None, rounds: int | None = None):
+                 server_steps: int = 50, privacy=None, rounds: int | None = None, shards=None,
+                 invalid: str = "reject", precision_floor: float = 1e-3, trusted_aggregator: bool = False,
+                 privacy_unit: str = "example", client_rate: float = 1.0, shard_seed: int = 0):
+        from ..privacy import Privacy
+
         if method not in METHODS:
             raise ValueError(f"unknown method {method!r}; choose one of {METHODS}")
-        if method in PRIVATE_METHODS:
-            from ..privacy import Privacy
-
-            if not isinstance(privacy, Privacy):
+        if schedule not in SCHEDULES:
+            raise ValueError(f"unknown schedule {schedule!r}; choose one of {SCHEDULES}")
+        if privacy_unit not in PRIVACY_UNITS:
+            raise ValueError(f"unknown privacy_unit {privacy_unit!r}; choose one of {PRIVACY_UNITS}")
+        if invalid not in INVALID_RULES:
+            raise ValueError(f"unknown invalid-update rule {invalid!r}; choose one of {INVALID_RULES}")
+        if privacy is not None and not isinstance(privacy, Privacy):
+            raise TypeError("privacy must be dppvi.Privacy(...) or None")
+        if method == "dp_optimisation":
+            if privacy is None:
                 raise TypeError(f"method={method!r} needs privacy=dppvi.Privacy(...) (a budget or a noise multiplier)")
             if batch_size is None:
                 raise ValueError(f"method={method!r} needs a batch_size (the expected batch of each DP-SGD step)")
-            if privacy.adaptive_clip is not None:
-                raise NotImplementedError("adaptive clipping is not wired into fit_dppvi yet; use a fixed clip")
-        elif privacy is not None:
-            raise ValueError(f"method={method!r} is not private; use method='dp_optimisation' to use `privacy`")
+            if trusted_aggregator:
+                raise ValueError("a trusted aggregator does not help DP optimisation (each step's noise is local); "
+                                 "use an update-perturbation method or trusted_aggregator=False")
+        if privacy is not None and privacy.adaptive_clip is not None:
+            raise NotImplementedError("adaptive clipping is not wired into fit_dppvi yet; use a fixed clip")
+        if method == "pvi" and privacy is not None and privacy_unit != "client":
+            raise ValueError("method='pvi' is not private at the example level; use method='dp_optimisation' or an "
+                             "update-perturbation method, or privacy_unit='client' for client-level DP")
+        if privacy_unit == "client":
+            if method != "pvi" or privacy is None or schedule != "synchronous":
+                raise ValueError("client-level DP needs method='pvi', schedule='synchronous' and privacy=Privacy(...)")
+        if trusted_aggregator and (method not in UPDATE_METHODS or schedule != "synchronous" or privacy is None):
+            raise ValueError("trusted_aggregator=True needs a private update-perturbation method "
+                             f"{UPDATE_METHODS} with schedule='synchronous'")
+        if method in ("local_averaging", "virtual_clients") and shards is None:
+            raise ValueError(f"method={method!r} needs shards= (an int, or a function of the client size)")
+        if method == "parameter_perturbation":
+            if shards not in (None, 1):
+                raise ValueError("parameter perturbation uses one shard; use local_averaging for more")
+            shards = 1
         if rounds is not None and (int(rounds) != rounds or rounds < 1):
             raise ValueError(f"rounds must be a positive integer, got {rounds!r}")
-        if schedule not in SCHEDULES:
-            raise ValueError(f"unknown schedule {schedule!r}; choose one of {SCHEDULES}")
         if not (0.0 < float(damping) <= 1.0):
             raise ValueError(f"damping must be in (0, 1], got {damping}")
         for name, value in (("local_steps", local_steps), ("num_samples", num_samples), ("server_steps", server_steps)):
@@ -85,8 +123,16 @@ class DPPVI:
         self.server_steps = int(server_steps)
         self.privacy = privacy
         self.planned_rounds = None if rounds is None else int(rounds)
+        self.shards = shards
+        self.invalid = invalid
+        self.precision_floor = float(precision_floor)
+        self.trusted_aggregator = bool(trusted_aggregator)
+        self.privacy_unit = privacy_unit
+        self.client_rate = float(client_rate)
+        self.shard_seed = shard_seed
         self.adapter: ModelAdapter | None = None
         self.ledger = None
+        self.plan = None
 
     # -- set-up --------------------------------------------------------------------------------
     def _setup(self, clients):
@@ -95,70 +141,47 @@ class DPPVI:
         self.adapter = ModelAdapter(self.model, clients[0])
         for m, c in enumerate(clients):
             self.adapter.validate_data(c, f"client {m}")
-        padded = pad_clients(clients)
-        self.data = tuple(jnp.asarray(a) for a in padded.arrays)
-        self.mask = jnp.asarray(padded.mask)
-        self.sizes = jnp.asarray(padded.sizes, jnp.float32)
         self.num_clients = len(clients)
-        if self.method == "dp_optimisation":
-            self.rule = self._dp_rule(padded.sizes)
+        a = self.adapter
+        if self.method in UPDATE_METHODS:
+            layout = make_shards(clients, self.shards, self.shard_seed)
+            self.num_shards = layout.num_shards
         else:
-            self.rule = NonPrivate(self.adapter.log_lik_rows, self.adapter.dim, self.optimizer,
-                                   self.local_steps, self.batch_size, self.num_samples)
+            layout = pad_clients(clients)
+        self.data = tuple(jnp.asarray(x) for x in layout.arrays)
+        self.mask = jnp.asarray(layout.mask)
+        self.sizes = jnp.asarray(layout.sizes, jnp.float32)
+        p = self.privacy
+        if self.method == "dp_optimisation":
+            self.plan = dp_sgd_plan(p, layout.sizes, self.batch_size, self.local_steps, self.planned_rounds)
+            self.rule = DPOptimisation(a.log_lik_rows, a.dim, self.optimizer, self.local_steps, self.batch_size,
+                                       self.num_samples, log_lik_row=a.log_lik_row, clip=p.clip,
+                                       sampling=p.sampling, max_batch=self.plan.max_batch)
+        elif self.method in UPDATE_METHODS:
+            self.plan = None if p is None else shard_update_plan(p, self.num_clients, self.planned_rounds)
+            cls = VirtualClients if self.method == "virtual_clients" else LocalAveraging
+            self.rule = cls(a.log_lik_rows, a.dim, self.optimizer, self.local_steps, self.num_samples,
+                            clip=None if p is None else p.clip, damping=self.damping, invalid=self.invalid,
+                            precision_floor=self.precision_floor)
+        else:
+            if self.privacy_unit == "client":
+                self.plan = client_level_plan(p, self.num_clients, self.planned_rounds, self.client_rate)
+            self.rule = NonPrivate(a.log_lik_rows, a.dim, self.optimizer, self.local_steps, self.batch_size,
+                                   self.num_samples)
+        self.epsilon_max = None if self.plan is None else self.plan.epsilon_max(self.num_clients)
         self.server_step = (
-            ServerFactorStep(self.adapter.server_log_density, self.adapter.server_mask, self.optimizer,
-                             self.server_steps, self.num_samples)
-            if self.adapter.has_server_factor else None
+            ServerFactorStep(a.server_log_density, a.server_mask, self.optimizer, self.server_steps, self.num_samples)
+            if a.has_server_factor else None
         )
         self._round = jax.jit(self._round_fn)
         self._order = jax.jit(self._order_fn)
 
-    def _dp_rule(self, sizes) -> DPOptimisation:
-        """Calibrate the noise for the planned run and build the DP-SGD local rule (DESIGN §5.1).
-
-        Plan: client ``m`` releases ``local_steps`` subsampled Gaussian sums per round at rate
-        ``q_m = batch_size / n_m`` over the planned rounds. Each client's noise multiplier is calibrated
-        to its own plan (clients with the same rate share one calibration), so every client meets the
-        budget and none adds more noise than it needs; the overall guarantee is the max over clients.
-        """
-        from ..privacy.sampling import poisson_overflow_probability, poisson_pad_size
-
-        p = self.privacy
-        sizes = np.asarray(sizes, int)
-        if np.any(sizes < self.batch_size) and p.sampling == "without_replacement":
-            raise ValueError(f"batch_size={self.batch_size} exceeds the smallest client ({sizes.min()} rows); "
-                             "lower batch_size")
-        if np.any(self.batch_size >= sizes):
-            raise ValueError(f"batch_size={self.batch_size} must be smaller than every client's size "
-                             f"(smallest: {sizes.min()}) so that batches are subsampled; lower batch_size")
-        if p.epsilon is not None and p.noise_multiplier is None and self.planned_rounds is None:
-            raise ValueError("calibrating the noise to a budget needs the planned number of rounds: "
-                             "pass rounds=... to DPPVI (fit_dppvi does this for you)")
-        rounds = self.planned_rounds or 1
-        self.rates = self.batch_size / sizes
-        steps = self.local_steps * rounds
-        if p.sampling == "poisson":
-            max_batch = max(poisson_pad_size(int(n), float(q), steps) for n, q in zip(sizes, self.rates))
-            self.overflow = np.array([poisson_overflow_probability(int(n), float(q), max_batch)
-                                      for n, q in zip(sizes, self.rates)])
-        else:
-            max_batch, self.overflow = self.batch_size, np.zeros(len(sizes))
-        by_rate = {}
-        for m in range(len(sizes)):
-            key = (float(self.rates[m]), float(self.overflow[m]))
-            if key not in by_rate:
-                by_rate[key] = p.resolve(lambda z, m=m: [self._step_event(m, steps, z)])
-        self.noise_multipliers = np.array([by_rate[(float(q), float(o))] for q, o in zip(self.rates, self.overflow)])
-        self.epsilon_max = p.epsilon_max_per_client(len(sizes))
-        if p.epsilon is not None and p.epsilon_max is None:
-            self.epsilon_max = np.full(len(sizes), p.epsilon)
-        return DPOptimisation(self.adapter.log_lik_rows, self.adapter.dim, self.optimizer, self.local_steps,
-                              self.batch_size, self.num_samples, log_lik_row=self.adapter.log_lik_row,
-                              clip=p.clip, sampling=p.sampling, max_batch=int(max_batch))
-
-    def _step_event(self, m: int, count: int, noise_multiplier=None):
-        z = self.noise_multipliers[m] if noise_multiplier is None else noise_multiplier
-        return self.privacy.step_event(float(z), float(self.rates[m]), count, float(self.overflow[m]))
+    def _noise_stds(self, active) -> np.ndarray:
+        """Noise std each client adds this round (trusted aggregator: its share ``sigma C / sqrt(M)``)."""
+        stds = np.array([self.plan.noise_std(m) for m in range(self.num_clients)])
+        if self.trusted_aggregator:
+            stds = stds / np.sqrt(max(int(np.sum(active)), 1))
+        return stds
 
     def init(self, rng_key, clients) -> PVIState:
         """Validate and pad the clients, trace the model, and return the initial state (``q_0`` = prior)."""
@@ -170,15 +193,14 @@ class DPPVI:
         key = jax.random.key_data(rng_key) if jnp.issubdtype(rng_key.dtype, jax.dtypes.prng_key) else rng_key
         init_key = jax.random.fold_in(jax.random.wrap_key_data(key), 0x7FFFFFFF)
         client_state = jax.vmap(self.rule.init_client_state)(self.data, self.mask, jax.random.split(init_key, m))
-        if self.method == "dp_optimisation":
-            stds = [float(self.privacy.gradient_noise_std(z)) for z in self.noise_multipliers]
-            client_state = {"noise_std": jnp.asarray(stds, jnp.float32)}
+        if self.plan is not None and self.plan.kind != "client":
+            client_state = dict(client_state, noise_std=jnp.asarray(self._noise_stds(np.ones(m)), jnp.float32))
         state = PVIState(q=q, factors=zeros, server_factor=t0, q_seen=server._broadcast(q, m),
                          client_state=client_state, key=key, round=jnp.array(0, jnp.int32),
                          communications=jnp.array(0, jnp.int32), active=jnp.ones(m, bool))
         if self.server_step is not None:
             state = jax.jit(lambda s: server.refine_server_factor(self.server_step, s, init_key))(state)
-        self.ledger = self.privacy.ledger(m) if self.privacy is not None else None
+        self.ledger = None if self.plan is None else self.privacy.ledger(m, self.trusted_aggregator)
         return state
 
     def _order_fn(self, state: PVIState, sizes):
@@ -193,6 +215,9 @@ class DPPVI:
         k_server, _, k_clients = jax.random.split(key, 3)
         if self.server_step is not None:
             state = server.refine_server_factor(self.server_step, state, k_server)
+        if self.privacy_unit == "client":
+            return server.client_level(self.rule, self.damping, state, data, mask, sizes, k_clients,
+                                       self.privacy.clip, self.plan.noise_std(0), self.client_rate)
         if self.schedule == "synchronous":
             return server.synchronous(self.rule, self.damping, state, data, mask, sizes, k_clients)
         return server.arrivals(self.rule, self.damping, state, data, mask, sizes, k_clients,
@@ -208,7 +233,7 @@ class DPPVI:
         stopped = []
         if self.ledger is not None:
             for m in np.flatnonzero(arrivals):
-                event = self._step_event(int(m), int(self.local_steps * arrivals[m]))
+                event = self.plan.event(int(m), int(arrivals[m]))
                 if self.ledger.epsilon_if(int(m), event) > self.epsilon_max[m] * (1 + 1e-9):
                     active[m], arrivals[m] = False, 0
                     self.ledger.stop(int(m), "epsilon_max", int(state.round) + 1)
@@ -221,11 +246,19 @@ class DPPVI:
             raise RuntimeError("call init(rng_key, clients) before round(state)")
         order = self._order(state, self.sizes)
         state, stopped, arrivals = self._charge(state, order)
+        if self.trusted_aggregator:
+            stds = jnp.asarray(self._noise_stds(np.asarray(state.active)), jnp.float32)
+            state = state._replace(client_state=dict(state.client_state, noise_std=stds))
         new_state, metrics = self._round(state, self.data, self.mask, self.sizes, order)
         if self.ledger is not None:  # the releases happened: charge them before anything can fail
             for m in np.flatnonzero(arrivals):
-                self.ledger.record(int(m), self._step_event(int(m), int(self.local_steps * arrivals[m])))
-        metrics = dict(metrics, stopped=stopped)
+                self.ledger.record(int(m), self.plan.event(int(m), int(arrivals[m])))
+        metrics = dict(metrics, stopped=stopped, rejected_round=False)
+        if not bool(metrics["valid"]) and self.plan is not None and self.plan.kind in ("shard_update", "client"):
+            # noisy releases whose sum would make q improper: the round is rejected as a whole (every
+            # factor and client state kept; the releases stay charged); counted in the history
+            return state._replace(round=new_state.round, communications=new_state.communications), \
+                dict(metrics, rejected_round=True)
         if not bool(metrics["valid"]):
             raise FloatingPointError(
                 f"round {int(state.round) + 1} produced an invalid posterior or cavity (non-finite or "
@@ -268,6 +301,10 @@ class DPPVI:
                 entry["epsilon"] = self.ledger.epsilon
                 if metrics["stopped"]:
                     entry["stopped"] = metrics["stopped"]
+            if "invalid" in metrics:
+                entry["invalid_updates"] = int(np.sum(np.asarray(metrics["invalid"])))
+            if metrics["rejected_round"]:
+                entry["rejected_round"] = True
             if "order" in metrics and self.schedule == "asynchronous":
                 entry["arrivals"] = np.asarray(metrics["order"]).tolist()
             if eval_arrays is not None:
@@ -281,10 +318,13 @@ class DPPVI:
     def config(self) -> dict:
         out = {"method": self.method, "schedule": self.schedule, "local_steps": self.local_steps,
                "batch_size": self.batch_size, "num_samples": self.num_samples, "damping": self.damping}
-        if self.privacy is not None:
-            out.update(noise_multiplier=[float(z) for z in self.noise_multipliers], clip=self.privacy.clip,
+        if self.method in UPDATE_METHODS:
+            out.update(shards=[int(k) for k in self.num_shards], invalid=self.invalid,
+                       trusted_aggregator=self.trusted_aggregator)
+        if self.plan is not None:
+            out.update(noise_multiplier=[float(z) for z in self.plan.noise_multipliers], clip=self.privacy.clip,
                        sampling=self.privacy.sampling, neighbouring=self.privacy.neighbouring,
-                       planned_rounds=self.planned_rounds)
+                       planned_rounds=self.planned_rounds, privacy_unit=self.privacy_unit)
         return out
 
 
@@ -292,15 +332,16 @@ def fit_dppvi(model, clients, *, method: str = "pvi", schedule: str = "synchrono
               local_steps: int = 10, batch_size: int | None = None, num_samples: int = 10,
               optimizer: optax.GradientTransformation | None = None, damping: float = 1.0,
               rng_key=None, eval_data=None, callback=None, progress: bool = False,
-              server_steps: int = 50, privacy=None) -> DPPVIResult:
+              server_steps: int = 50, privacy=None, **options) -> DPPVIResult:
     """Fit a ``@dppvi.model`` to federated ``clients`` with (DP-)PVI; the one-call form of :class:`DPPVI`.
 
     ``method="dp_optimisation"`` with ``privacy=Privacy(epsilon=..., delta=..., clip=...)`` calibrates
     the noise so that every client's releases over ``rounds`` rounds meet the budget; the result's
-    ``privacy`` ledger reports what was spent.
+    ``privacy`` ledger reports what was spent. ``options`` are the remaining :class:`DPPVI` arguments
+    (``shards``, ``invalid``, ``precision_floor``, ``trusted_aggregator``, ``privacy_unit``, ``client_rate``).
     """
     driver = DPPVI(model, method=method, schedule=schedule, optimizer=optimizer, local_steps=local_steps,
                    batch_size=batch_size, num_samples=num_samples, damping=damping, server_steps=server_steps,
-                   privacy=privacy, rounds=rounds)
+                   privacy=privacy, rounds=rounds, **options)
     rng_key = jax.random.key(0) if rng_key is None else rng_key
     return driver.run(rng_key, clients, rounds, eval_data=eval_data, callback=callback, progress=progress)

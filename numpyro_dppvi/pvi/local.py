@@ -71,17 +71,18 @@ class NonPrivate:
 
     def update(self, q, cavity, arrays, mask, n, key, client_state):
         params = factors.to_loc_log_scale(q)
-        params, losses = optimise(self.optimizer, params, self.local_steps, key,
-                                  lambda p, k: self.gradient(p, k, arrays, mask, n, cavity, client_state))
+        params, losses, _ = optimise(self.optimizer, params, self.local_steps, key,
+                                     lambda p, k: self.gradient(p, k, arrays, mask, n, cavity, client_state))
         return factors.from_loc_log_scale(params), client_state, {"loss": losses[-1]}
 
 
-def optimise(optimizer, params, steps: int, key, gradient_fn):
+def optimise(optimizer, params, steps: int, key, gradient_fn, opt_state=None):
     """``steps`` optimiser steps in a ``lax.scan``; ``gradient_fn(params, key) -> (grads, loss)``.
 
-    The step keys are ``fold_in(key, step)``, so no key is used twice.
+    Starts from ``opt_state`` (a fresh ``optimizer.init`` when None) and returns
+    ``(params, losses, opt_state)``. The step keys are ``fold_in(key, step)``, so no key is used twice.
     """
-    opt_state = optimizer.init(params)
+    opt_state = optimizer.init(params) if opt_state is None else opt_state
 
     def step(carry, t):
         params, opt_state = carry
@@ -89,8 +90,8 @@ def optimise(optimizer, params, steps: int, key, gradient_fn):
         updates, opt_state = optimizer.update(grads, opt_state, params)
         return (optax.apply_updates(params, updates), opt_state), loss
 
-    (params, _), losses = jax.lax.scan(step, (params, opt_state), jnp.arange(steps))
-    return params, losses
+    (params, opt_state), losses = jax.lax.scan(step, (params, opt_state), jnp.arange(steps))
+    return params, losses, opt_state
 
 
 @dataclass(frozen=True)
@@ -118,7 +119,7 @@ class ServerFactorStep:
             value, grads = jax.value_and_grad(loss)(params)
             return jax.tree.map(lambda g: jnp.where(self.mask, g, 0.0), grads), value
 
-        params, _ = optimise(self.optimizer, params0, self.steps, key, gradient)
+        params, _, _ = optimise(self.optimizer, params0, self.steps, key, gradient)
         new = factors.from_loc_log_scale(params)
         return Gaussian(jnp.where(self.mask, new.eta1, q.eta1), jnp.where(self.mask, new.eta2, q.eta2))
 

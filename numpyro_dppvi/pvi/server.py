@@ -79,7 +79,10 @@ def synchronous(rule, damping, state: PVIState, data, mask, sizes, key):
         q=new_q, factors=new_factors, q_seen=_broadcast(new_q, m), client_state=client_state,
         round=state.round + 1, communications=state.communications + jnp.sum(state.active),
     )
-    return new_state, {"valid": valid, "loss": metrics["loss"], "participated": state.active}
+    out = {"valid": valid, "loss": metrics["loss"], "participated": state.active}
+    if "invalid" in metrics:
+        out["invalid"] = metrics["invalid"] & state.active
+    return new_state, out
 
 
 def _expand(flag, x):
@@ -109,10 +112,11 @@ def arrivals(rule, damping, state: PVIState, data, mask, sizes, key, order, stal
         seen = jax.tree.map(lambda a, v: a.at[m].set(v), seen, q_next)
         cstate = jax.tree.map(lambda a, v: a.at[m].set(jnp.where(act, v, a[m])), cstate, cs_new)
         valid = valid & ((factors.is_proper(cavity) & factors.is_proper(q_next)) | ~act)
-        return (q_next, fac, seen, cstate, valid), (metrics["loss"], act)
+        invalid = metrics.get("invalid", jnp.zeros((), bool)) & act
+        return (q_next, fac, seen, cstate, valid), (metrics["loss"], act, invalid)
 
     init = (state.q, state.factors, state.q_seen, state.client_state, jnp.array(True))
-    (q, fac, seen, cstate, valid), (loss, act) = jax.lax.scan(
+    (q, fac, seen, cstate, valid), (loss, act, invalid) = jax.lax.scan(
         arrive, init, (jnp.arange(order.shape[0]), order)
     )
     new_state = state._replace(
@@ -120,7 +124,7 @@ def arrivals(rule, damping, state: PVIState, data, mask, sizes, key, order, stal
         communications=state.communications + jnp.sum(act),
     )
     participated = jnp.zeros(sizes.shape[0], bool).at[order].max(act)
-    return new_state, {"valid": valid, "loss": loss, "participated": participated, "order": order}
+    return new_state, {"valid": valid, "loss": loss, "participated": participated, "order": order, "invalid": invalid}
 
 
 def arrival_order(key, sizes, active, num_arrivals: int):
@@ -142,3 +146,38 @@ def refine_server_factor(step, state: PVIState, key) -> PVIState:
         server_factor=factors.multiply(state.server_factor, delta),
         q_seen=Gaussian(*(s + d for s, d in zip(state.q_seen, _broadcast(delta, m)))),
     )
+
+
+def client_level(rule, damping, state: PVIState, data, mask, sizes, key, clip, noise_std, client_rate):
+    """Synchronous round with client-level DP (Liu 2019, §3.3; DESIGN §5.3).
+
+    Clients take part independently with probability ``client_rate`` (Poisson over clients). Each
+    participant's change ``Delta_m = eta(q_m) - eta(q)`` is clipped jointly to norm ``C``; the server
+    adds ``xi ~ N(0, noise_std^2 I)`` once to the sum and gives every participant the share
+    ``clip(Delta_m) + xi / |P|``, so ``t_m += rho (clip(Delta_m) + xi / |P|)`` and
+    ``q += rho (sum_m clip(Delta_m) + xi)``: ``q = prior * t_0 * prod_m t_m`` stays exact.
+    Sensitivity: adding or removing one client's whole data changes the sum by at most ``C``
+    (replacing it: ``2C``); each client's update is otherwise post-processing of the noisy sums.
+    """
+    from .update_perturbation import clip_change
+
+    m = sizes.shape[0]
+    q = state.q
+    k_part, k_clients, k_noise = jax.random.split(key, 3)
+    part = state.active & (jax.random.uniform(k_part, (m,)) < client_rate)
+    cavities = factors.divide(_broadcast(q, m), state.factors)
+    keys = jax.vmap(lambda i: jax.random.fold_in(k_clients, i))(jnp.arange(m))
+    q_new, client_state, metrics = jax.vmap(rule.update, in_axes=(None, 0, 0, 0, 0, 0, 0))(
+        q, cavities, data, mask, sizes, keys, state.client_state)
+    changes = jax.vmap(lambda a: clip_change(factors.divide(a, q), clip))(q_new)
+    changes = Gaussian(*(jnp.where(part[:, None], c, 0.0) for c in changes))
+    k1, k2 = jax.random.split(k_noise)
+    xi = Gaussian(noise_std * jax.random.normal(k1, q.eta1.shape), noise_std * jax.random.normal(k2, q.eta2.shape))
+    count = jnp.maximum(jnp.sum(part), 1)
+    shares = Gaussian(*(jnp.where(part[:, None], c + x / count, 0.0) for c, x in zip(changes, xi)))
+    delta = factors.scale(shares, damping)
+    new_q = factors.multiply(q, factors.product(delta))
+    valid = factors.is_proper(new_q)
+    new_state = state._replace(q=new_q, factors=factors.multiply(state.factors, delta), q_seen=_broadcast(new_q, m),
+                               round=state.round + 1, communications=state.communications + jnp.sum(part))
+    return new_state, {"valid": valid, "loss": metrics["loss"], "participated": part}
