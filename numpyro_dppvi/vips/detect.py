@@ -33,7 +33,6 @@ from typing import Callable
 import jax
 import jax.numpy as jnp
 import numpy as np
-import numpyro.distributions as dist
 from numpyro import handlers
 from numpyro.distributions.distribution import ExpandedDistribution, Independent, MaskedDistribution
 

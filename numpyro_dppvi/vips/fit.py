@@ -36,7 +36,7 @@ import jax.numpy as jnp
 import numpy as np
 
 from numpyro_dppvi.vips.engine import (
-    blend, is_conjugate_model, joint_sensitivity, scale_bounds, scale_ess, step_size)
+    blend, is_conjugate_model, joint_sensitivity, scale_ess, step_size)
 from numpyro_dppvi.vips.release import release_ess
 from numpyro_dppvi.vips.results import VIPSResult
 

@@ -131,8 +131,15 @@ class LDA(ConjugateModelBase):
         ids_np = np.asarray(word_ids)
         if ids_np.min() < 0 or ids_np.max() >= self.vocab_size:
             raise ValueError(f"word ids must lie in [0, {self.vocab_size}).")
-        if np.asarray(counts).min() < 0:
+        counts_np = np.asarray(counts)
+        if counts_np.min() < 0:
             raise ValueError("word counts must be non-negative.")
+        # the clipping norm is computed on the sparse rows: a word may appear once per document
+        marked = np.where(counts_np > 0, ids_np, -1 - np.arange(ids_np.shape[1])[None, :])
+        ordered = np.sort(marked, axis=1)
+        if np.any(ordered[:, 1:] == ordered[:, :-1]):
+            raise ValueError("a document lists the same word id twice; merge its counts "
+                             "(one entry per distinct word, as datasets.load_nyt().padded() gives).")
         return word_ids.astype(jnp.int32), counts.astype(jnp.result_type(float))
 
     def topics(self, params):

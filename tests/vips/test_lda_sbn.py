@@ -59,7 +59,8 @@ def test_private_lda_clips_documents_and_zeroes_negative_counts():
     # noise of std sigma a N (D/S) = 12 per entry would make many entries negative; they are set to 0,
     # so lambda = blend of (random init ~ 1) and (eta + non-negative) stays >= eta
     assert bool(jnp.all(result.params["lam"] >= model.eta - 1e-6))
-    assert np.isfinite(model.completion_perplexity(result.params, *split_documents(ids, counts, np.random.default_rng(0))))
+    observed, held_out = split_documents(ids, counts, np.random.default_rng(0))
+    assert np.isfinite(model.completion_perplexity(result.params, observed, held_out))
 
 
 def test_sbn_learns_two_prototypes():
@@ -76,3 +77,10 @@ def test_sbn_learns_two_prototypes():
     assert model.pixel_accuracy(result.params, images) > 0.9
     samples = result.posterior_samples(7)
     assert samples["W"].shape == (7, 16, 2) and samples["c"].shape == (7, 16) and samples["b"].shape == (7, 2)
+
+
+def test_lda_rejects_repeated_words_in_a_document():
+    model = LDA(2, 5, doc_length=4)
+    with pytest.raises(ValueError, match="same word id twice"):
+        model.validate_data((np.array([[1, 1, 0]]), np.array([[2.0, 1.0, 0.0]])))
+    model.validate_data((np.array([[1, 0, 0]]), np.array([[2.0, 0.0, 0.0]])))  # padding may repeat id 0
