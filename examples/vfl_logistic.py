@@ -67,11 +67,13 @@ def main(argv=None):
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--full", action="store_true", help="paper size: J in {2, 10}, long runs")
     parser.add_argument("--plot", default="vfl_logistic.png", help="figure file ('' for none)")
+    parser.add_argument("--smoke", action="store_true", help="tiny run for tests")
     args = parser.parse_args(argv)
-    n, p = 500, 20
+    n, p = (60, 4) if args.smoke else (500, 20)
     client_counts = (2, 10) if args.full else (2,)
-    warmup, samples = (1000, 1000) if args.full else (300, 300)
-    steps = 20_000 if args.full else 3_000
+    warmup, samples = (1000, 1000) if args.full else ((30, 30) if args.smoke else (300, 300))
+    steps = 20_000 if args.full else (100 if args.smoke else 3_000)
+    rhos = (1.0,) if args.smoke else (0.5, 1.0, 2.0)
     x, y, beta = simulate(n, p, seed=0)
     rows, draws = [], {}
     for J in client_counts:
@@ -89,7 +91,7 @@ def main(argv=None):
         draws[J, "true", "MFVI"] = np.asarray(loc + scale * np.random.default_rng(0).normal(size=2000))
         rows.append((J, "-", "true", "MFVI", elbo_true, float(loc), float(scale)))
         print(f"J={J}: true model NUTS + MFVI in {time.time() - t:.0f}s", flush=True)
-        for rho in (0.5, 1.0, 2.0):
+        for rho in rhos:
             for name, build, formulation in (("augmented", augmented_model, "augmented"),
                                              ("power", power_likelihood_model, "power")):
                 t = time.time()
@@ -112,10 +114,11 @@ def main(argv=None):
         if key[2] == "MCMC":
             print(f"NUTS {key}: mean {value.mean():.3f} sd {value.std():.3f}")
     if args.plot:
-        _plot(draws, client_counts, beta[0], args.plot)
+        _plot(draws, client_counts, rhos, beta[0], args.plot)
+    return rows
 
 
-def _plot(draws, client_counts, truth, path):
+def _plot(draws, client_counts, rhos, truth, path):
     try:
         import matplotlib
 
@@ -124,8 +127,8 @@ def _plot(draws, client_counts, truth, path):
     except ImportError:
         print("matplotlib not installed: no figure")
         return
-    rhos = (0.5, 1.0, 2.0)
-    fig, axes = plt.subplots(2 * len(client_counts), 3, figsize=(12, 6 * len(client_counts)),
+    fig, axes = plt.subplots(2 * len(client_counts), len(rhos),
+                             figsize=(4 * len(rhos), 6 * len(client_counts)),
                              squeeze=False)
     for a, J in enumerate(client_counts):
         for b, rho in enumerate(rhos):

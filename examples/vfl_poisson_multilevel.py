@@ -78,9 +78,9 @@ def nuts(model, y, warmup, samples):
 
 
 def synthetic(args):
-    n = 2000 if args.full else 500
-    steps = 20_000 if args.full else 4_000
-    warmup, samples = (1000, 1000) if args.full else (300, 300)
+    n = 2000 if args.full else (80 if args.smoke else 500)
+    steps = 20_000 if args.full else (100 if args.smoke else 4_000)
+    warmup, samples = (1000, 1000) if args.full else ((30, 30) if args.smoke else (300, 300))
     xs, level, log_pop, counts, truth = simulate_sa2(n)
     clients = [VFLClient(f"c{j}", (x, level), varying_slopes) for j, x in enumerate(xs)]
     y = (counts, log_pop)
@@ -145,9 +145,10 @@ def grouseticks(args):
     brood = frame["BROOD"].astype("category").cat.codes.to_numpy().astype(np.int32)
     clients = [VFLClient("survey", survey_x, altitude_year),
                VFLClient("sites", (location, brood), random_intercepts)]
-    steps = 20_000 if args.full else 4_000
+    steps = 20_000 if args.full else (100 if args.smoke else 4_000)
     t = time.time()
-    ref = nuts(centralised_model(clients, poisson_log), counts, 500, 500)
+    warmup = 30 if args.smoke else 500
+    ref = nuts(centralised_model(clients, poisson_log), counts, warmup, warmup)
     print(f"\ngrouseticks: NUTS on the true model {time.time() - t:.0f}s")
     fits = {"true model, NUTS": ref}
     for rho in (0.5, 1.0):
@@ -168,6 +169,7 @@ def grouseticks(args):
 def main(argv=None):
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--full", action="store_true", help="paper size (N = 2000, long runs)")
+    parser.add_argument("--smoke", action="store_true", help="tiny run for tests")
     args = parser.parse_args(argv)
     synthetic(args)
     grouseticks(args)

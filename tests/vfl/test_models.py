@@ -81,7 +81,7 @@ def test_power_model_needs_y(logistic_data):
 
 
 def _nuts_mean(model, y, seed=0):
-    mcmc = MCMC(NUTS(model), num_warmup=250, num_samples=250, progress_bar=False)
+    mcmc = MCMC(NUTS(model), num_warmup=200, num_samples=200, progress_bar=False)
     mcmc.run(jax.random.key(seed), y=y)
     s = mcmc.get_samples()
     return np.concatenate([np.atleast_1d(np.mean(s[k], 0)) for k in ("c0/beta", "c1/beta", "b")])
@@ -91,7 +91,7 @@ def _nuts_mean(model, y, seed=0):
 def test_augmented_posteriors_approach_true_posterior_as_rho_shrinks(logistic_data):
     """NUTS posterior means of (beta, b) under the augmented and power models move toward the
     true model's as rho goes 2 -> 0.5 (AXDA, §2.1). At rho = 2 the distance is ~1.0 (augmented)
-    and ~0.6 (power), at rho = 0.5 ~0.1; the Monte Carlo error of a 5-vector of means from 250
+    and ~0.6 (power), at rho = 0.5 ~0.1; the Monte Carlo error of a 5-vector of means from 200
     draws is ~0.05, so a factor-3 drop cannot come from noise."""
     x, y = logistic_data
     clients = make_split(x, [2, 2])
