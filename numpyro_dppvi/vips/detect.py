@@ -68,6 +68,30 @@ class Detection:
     observed_site: str
 
 
+@dataclass(frozen=True)
+class SiteLayout:
+    """Maps a conjugate model's posterior draws to the NumPyro sites (picklable, no closures).
+
+    ``source`` is the key of the conjugate model's draws: ``"w"`` holds the flattened latents
+    of the Gaussian patterns (split by ``shapes``); otherwise the one site takes ``source``.
+    """
+
+    names: tuple
+    shapes: tuple
+    source: str
+
+    def __call__(self, samples: dict) -> dict:
+        values = np.asarray(samples[self.source])
+        if self.source != "w":
+            return {self.names[0]: values}
+        out, start = {}, 0
+        for name, shape in zip(self.names, self.shapes):
+            size = int(np.prod(shape))
+            out[name] = values[..., start:start + size].reshape(values.shape[:-1] + tuple(shape))
+            start += size
+        return out
+
+
 def _base(fn):
     while isinstance(fn, (Independent, ExpandedDistribution, MaskedDistribution)):
         fn = fn.base_dist
@@ -241,9 +265,7 @@ def _detect_gaussian(model, data, trace, latent, obs, n, pattern, bounds):
         conj = PolyaGammaLogisticRegression(dim, prior_mean=prior_mean, prior_precision=prior_precision,
                                             feature_bound=bounds["feature_bound"])
 
-    def site_map(samples):
-        return {name: np.asarray(v) for name, v in unflatten(jnp.asarray(samples["w"])).items()}
-
+    site_map = SiteLayout(tuple(latent), tuple(shapes), "w")
     dtype = jnp.result_type(float)
     return Detection(pattern, conj, (jnp.asarray(features, dtype), jnp.asarray(targets, dtype)), site_map,
                      tuple(latent), obs)
@@ -302,8 +324,6 @@ def _detect_single(model, data, trace, latent, obs, prior_family, parameter, bou
         conj = GammaPoisson(float(prior.concentration), float(prior.rate), **options)
         key = "lam"
 
-    def site_map(samples):
-        return {name: np.asarray(samples[key])}
-
+    site_map = SiteLayout((name,), (tuple(value.shape),), key)
     return Detection(f"{prior_family.lower()}_{_LIKELIHOOD_OF[prior_family].split('/')[0].lower()}", conj,
                      (jnp.asarray(obs_value),), site_map, (name,), obs)

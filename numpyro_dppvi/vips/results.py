@@ -8,6 +8,8 @@ from typing import Any, Callable
 import jax
 import numpy as np
 
+_FORMAT = "numpyro_dppvi.VIPSResult/1"
+
 
 @dataclass
 class VIPSResult:
@@ -65,6 +67,44 @@ class VIPSResult:
         import arviz as az
 
         return az.summary(self.to_arviz(num_samples, rng_key), kind="stats", **kwargs)
+
+    def save(self, path) -> None:
+        """Write the fit (model, parameters, history, ledger) to ``path`` (a pickle file).
+
+        The NumPyro model of a detected fit is stored by reference (importable module-level
+        functions only); pass it again to :meth:`load` if it cannot be pickled.
+        """
+        import pickle
+
+        state = {"format": _FORMAT, "model": self.model,
+                 "params": jax.tree_util.tree_map(np.asarray, self.params),
+                 "history": self.history, "privacy": None if self.privacy is None else self.privacy.to_dict(),
+                 "noise_multiplier": self.noise_multiplier, "site_map": self.site_map, "info": self.info}
+        try:
+            numpyro_model = pickle.dumps(self.numpyro_model)
+        except (pickle.PicklingError, AttributeError, TypeError):
+            numpyro_model = None
+        state["numpyro_model"] = numpyro_model
+        with open(path, "wb") as handle:
+            pickle.dump(state, handle)
+
+    @classmethod
+    def load(cls, path, numpyro_model=None) -> "VIPSResult":
+        """Read a fit written by :meth:`save` (the ledger is restored exactly)."""
+        import pickle
+
+        from numpyro_dppvi.privacy import PrivacyLedger
+
+        with open(path, "rb") as handle:
+            state = pickle.load(handle)
+        if not isinstance(state, dict) or state.get("format") != _FORMAT:
+            raise ValueError(f"{path} is not a saved VIPSResult.")
+        if numpyro_model is None and state["numpyro_model"] is not None:
+            numpyro_model = pickle.loads(state["numpyro_model"])
+        ledger = None if state["privacy"] is None else PrivacyLedger.from_dict(state["privacy"])
+        return cls(model=state["model"], params=jax.tree_util.tree_map(jax.numpy.asarray, state["params"]),
+                   history=state["history"], privacy=ledger, noise_multiplier=state["noise_multiplier"],
+                   numpyro_model=numpyro_model, site_map=state["site_map"], info=state["info"])
 
     def predict(self, *inputs, num_samples: int = 500, rng_key=None, **kwargs):
         """Posterior predictive.

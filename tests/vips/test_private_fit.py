@@ -116,3 +116,14 @@ def test_private_client_step_reports_its_noise():
     assert not np.allclose(delta["counts"], [Y.sum(), (1 - Y).sum()])
     with pytest.raises(ValueError, match="noise_key"):
         conjugate_client_delta(model, (Y,), enp, clip=1.0, noise_multiplier=1.0)
+
+
+def test_save_and_load_keep_posterior_and_ledger(tmp_path):
+    result = fit_vips(BetaBernoulli(), (Y,), privacy=Privacy(noise_multiplier=2.0), batch_size=100, iterations=5,
+                      rng_key=jax.random.key(0))
+    path = tmp_path / "fit.pkl"
+    result.save(path)
+    loaded = type(result).load(path)
+    assert float(loaded.params["alpha"]) == float(result.params["alpha"])
+    assert loaded.epsilon == result.epsilon and loaded.privacy.events(0) == result.privacy.events(0)
+    np.testing.assert_array_equal(loaded.history["batch_size"], result.history["batch_size"])
