@@ -1,16 +1,25 @@
-"""numpyro_dppvi: differentially private, federated Bayesian inference for NumPyro."""
+"""numpyro_dppvi: differentially private, federated Bayesian inference for NumPyro.
 
-from . import datasets, factors
+Public names: the model decorator and adapter, data partitioning and loaders, the privacy
+configuration and ledger, DP-PVI (``fit_dppvi``, ``DPPVI``) and its baselines, VIPS (``fit_vips``)
+and vertical federated learning (``fit_vfl``).
+"""
+
+from . import datasets, factors, privacy, vfl, vips
 from .data import pad_clients, partition, partition_by, validate_clients
 from .model import ModelAdapter, model
-from .pvi import DPPVI, PVIState, fit_bcm, fit_dppvi, fit_global_vi
+from .privacy import Privacy, PrivacyLedger
+from .pvi import DPPVI, FitDiverged, PVIState, fit_bcm, fit_dppvi, fit_global_vi
 from .results import DPPVIResult
+from .vfl import VFLClient, fit_vfl
+from .vips import fit_vips
 
 load = DPPVIResult.load
 
 __version__ = "0.1.0"
 
 __all__ = [
-    "DPPVI", "DPPVIResult", "ModelAdapter", "PVIState", "datasets", "factors", "fit_bcm", "fit_dppvi",
-    "fit_global_vi", "load", "model", "pad_clients", "partition", "partition_by", "validate_clients",
+    "DPPVI", "DPPVIResult", "FitDiverged", "ModelAdapter", "PVIState", "Privacy", "PrivacyLedger", "VFLClient",
+    "datasets", "factors", "fit_bcm", "fit_dppvi", "fit_global_vi", "fit_vfl", "fit_vips", "load", "model",
+    "pad_clients", "partition", "partition_by", "privacy", "validate_clients", "vfl", "vips",
 ]

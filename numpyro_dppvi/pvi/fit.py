@@ -33,6 +33,14 @@ UPDATE_METHODS = ("local_averaging", "virtual_clients", "parameter_perturbation"
 PRIVACY_UNITS = ("example", "client")
 
 
+class FitDiverged(FloatingPointError):
+    """A round would have made the posterior invalid; ``result`` holds the last valid state."""
+
+    def __init__(self, message: str, result: DPPVIResult):
+        super().__init__(message)
+        self.result = result
+
+
 class DPPVI:
     """Partitioned variational inference driver, in the manner of ``numpyro.infer.SVI``.
 
@@ -269,9 +277,14 @@ class DPPVI:
 
     def run(self, rng_key, clients, rounds: int, eval_data: Sequence | None = None,
             callback: Callable | None = None, progress: bool = False, state: PVIState | None = None,
-            history: list | None = None, ledger=None) -> DPPVIResult:
+            history: list | None = None, ledger=None, checkpoint=None) -> DPPVIResult:
         """Run ``rounds`` rounds from ``init``, or from ``state`` (with its ``history`` and privacy
-        ``ledger``) to resume a saved fit, and return a result."""
+        ``ledger``) to resume a saved fit, and return a result.
+
+        ``checkpoint``: a path the result is saved to after every round (resume it with
+        ``fit_dppvi(..., resume=path)``). If a round would make ``q`` invalid, :class:`FitDiverged` is
+        raised carrying the last valid result (``err.result``) and the checkpoint keeps that state.
+        """
         if int(rounds) != rounds or rounds < 0:
             raise ValueError(f"rounds must be a non-negative integer, got {rounds!r}")
         if state is None:
@@ -292,7 +305,12 @@ class DPPVI:
             iterator = tqdm(iterator, desc=f"{self.method}/{self.schedule}", unit="round")
         for _ in iterator:
             start = time.perf_counter()
-            state, metrics = self.round(state)
+            try:
+                state, metrics = self.round(state)
+            except FloatingPointError as exc:
+                last = DPPVIResult(self.adapter, state, history, method=self.method, schedule=self.schedule,
+                                   privacy=self.ledger, config=self.config())
+                raise FitDiverged(str(exc), last) from exc
             jax.block_until_ready(state.q)
             entry = {"round": int(state.round), "communications": int(state.communications),
                      "participated": np.asarray(metrics["participated"]).tolist(),
@@ -305,11 +323,16 @@ class DPPVI:
                 entry["invalid_updates"] = int(np.sum(np.asarray(metrics["invalid"])))
             if metrics["rejected_round"]:
                 entry["rejected_round"] = True
+            if "failed" in metrics and np.any(np.asarray(metrics["failed"])):
+                entry["failed"] = np.flatnonzero(np.asarray(metrics["failed"])).tolist()
             if "order" in metrics and self.schedule == "asynchronous":
                 entry["arrivals"] = np.asarray(metrics["order"]).tolist()
             if eval_arrays is not None:
                 entry.update(evaluate(self.adapter, state.q, eval_arrays, eval_key))
             history.append(entry)
+            if checkpoint is not None:
+                DPPVIResult(self.adapter, state, history, method=self.method, schedule=self.schedule,
+                            privacy=self.ledger, config=self.config()).save(checkpoint)
             if callback is not None:
                 callback(state, entry)
         return DPPVIResult(self.adapter, state, history, method=self.method, schedule=self.schedule,
@@ -332,16 +355,32 @@ def fit_dppvi(model, clients, *, method: str = "pvi", schedule: str = "synchrono
               local_steps: int = 10, batch_size: int | None = None, num_samples: int = 10,
               optimizer: optax.GradientTransformation | None = None, damping: float = 1.0,
               rng_key=None, eval_data=None, callback=None, progress: bool = False,
-              server_steps: int = 50, privacy=None, **options) -> DPPVIResult:
+              server_steps: int = 50, privacy=None, checkpoint=None, resume=None, **options) -> DPPVIResult:
     """Fit a ``@dppvi.model`` to federated ``clients`` with (DP-)PVI; the one-call form of :class:`DPPVI`.
 
     ``method="dp_optimisation"`` with ``privacy=Privacy(epsilon=..., delta=..., clip=...)`` calibrates
     the noise so that every client's releases over ``rounds`` rounds meet the budget; the result's
     ``privacy`` ledger reports what was spent. ``options`` are the remaining :class:`DPPVI` arguments
     (``shards``, ``invalid``, ``precision_floor``, ``trusted_aggregator``, ``privacy_unit``, ``client_rate``).
+
+    ``checkpoint=path`` saves the fit after every round; ``resume=path`` continues a saved fit (same
+    model, clients and settings) up to ``rounds`` rounds in total, with its privacy ledger: a resumed
+    fit gives the same result as an uninterrupted one and never re-spends or forgets budget.
     """
     driver = DPPVI(model, method=method, schedule=schedule, optimizer=optimizer, local_steps=local_steps,
                    batch_size=batch_size, num_samples=num_samples, damping=damping, server_steps=server_steps,
                    privacy=privacy, rounds=rounds, **options)
     rng_key = jax.random.key(0) if rng_key is None else rng_key
-    return driver.run(rng_key, clients, rounds, eval_data=eval_data, callback=callback, progress=progress)
+    if resume is not None:
+        template = driver.init(rng_key, clients)
+        saved = DPPVIResult.load(resume, model, template_state=template)
+        if saved.config.get("method") != method or saved.config.get("schedule") != schedule:
+            raise ValueError(f"{resume} holds a {saved.config.get('method')}/{saved.config.get('schedule')} fit; "
+                             f"resume it with the same method and schedule (asked: {method}/{schedule})")
+        done = int(saved.state.round)
+        if done > rounds:
+            raise ValueError(f"{resume} already ran {done} rounds, more than rounds={rounds}")
+        return driver.run(None, clients, rounds - done, eval_data=eval_data, callback=callback, progress=progress,
+                          state=saved.state, history=saved.history, ledger=saved.privacy, checkpoint=checkpoint)
+    return driver.run(rng_key, clients, rounds, eval_data=eval_data, callback=callback, progress=progress,
+                      checkpoint=checkpoint)

@@ -69,20 +69,25 @@ def synchronous(rule, damping, state: PVIState, data, mask, sizes, key):
     q_new, client_state, metrics = jax.vmap(rule.update, in_axes=(None, 0, 0, 0, 0, 0, 0))(
         q, cavities, data, mask, sizes, keys, state.client_state
     )
-    active = state.active[:, None]
-    delta = Gaussian(*(jnp.where(active, damping * (new - q_), 0.0) for new, q_ in zip(q_new, _broadcast(q, m))))
+    failed = state.active & ~jax.vmap(_finite)(q_new)  # a client whose update is non-finite is dropped
+    ok = state.active & ~failed
+    delta = Gaussian(*(jnp.where(ok[:, None], damping * (new - q_), 0.0) for new, q_ in zip(q_new, _broadcast(q, m))))
     new_factors = factors.multiply(state.factors, delta)
     new_q = factors.multiply(q, factors.product(delta))
-    client_state = jax.tree.map(lambda new, old: jnp.where(_expand(state.active, new), new, old), client_state, state.client_state)
+    client_state = jax.tree.map(lambda new, old: jnp.where(_expand(ok, new), new, old), client_state, state.client_state)
     valid = jnp.all(jax.vmap(factors.is_proper)(cavities) | ~state.active) & factors.is_proper(new_q)
     new_state = state._replace(
         q=new_q, factors=new_factors, q_seen=_broadcast(new_q, m), client_state=client_state,
         round=state.round + 1, communications=state.communications + jnp.sum(state.active),
     )
-    out = {"valid": valid, "loss": metrics["loss"], "participated": state.active}
+    out = {"valid": valid, "loss": metrics["loss"], "participated": state.active, "failed": failed}
     if "invalid" in metrics:
         out["invalid"] = metrics["invalid"] & state.active
     return new_state, out
+
+
+def _finite(g: Gaussian) -> jax.Array:
+    return jnp.all(jnp.isfinite(g.eta1)) & jnp.all(jnp.isfinite(g.eta2))
 
 
 def _expand(flag, x):
@@ -105,7 +110,8 @@ def arrivals(rule, damping, state: PVIState, data, mask, sizes, key, order, stal
         rows = jax.tree.map(lambda a: a[m], data)
         cs = jax.tree.map(lambda a: a[m], cstate)
         q_new, cs_new, metrics = rule.update(start, cavity, rows, mask[m], sizes[m], jax.random.fold_in(key, i), cs)
-        act = state.active[m]
+        failed = state.active[m] & ~_finite(q_new)  # a non-finite update is dropped
+        act = state.active[m] & ~failed
         delta = Gaussian(*(jnp.where(act, damping * (new - old), 0.0) for new, old in zip(q_new, start)))
         q_next = factors.multiply(q, delta)
         fac = jax.tree.map(lambda a, d: a.at[m].add(d), fac, delta)
@@ -113,10 +119,10 @@ def arrivals(rule, damping, state: PVIState, data, mask, sizes, key, order, stal
         cstate = jax.tree.map(lambda a, v: a.at[m].set(jnp.where(act, v, a[m])), cstate, cs_new)
         valid = valid & ((factors.is_proper(cavity) & factors.is_proper(q_next)) | ~act)
         invalid = metrics.get("invalid", jnp.zeros((), bool)) & act
-        return (q_next, fac, seen, cstate, valid), (metrics["loss"], act, invalid)
+        return (q_next, fac, seen, cstate, valid), (metrics["loss"], act | failed, invalid, failed)
 
     init = (state.q, state.factors, state.q_seen, state.client_state, jnp.array(True))
-    (q, fac, seen, cstate, valid), (loss, act, invalid) = jax.lax.scan(
+    (q, fac, seen, cstate, valid), (loss, act, invalid, failed) = jax.lax.scan(
         arrive, init, (jnp.arange(order.shape[0]), order)
     )
     new_state = state._replace(
@@ -124,7 +130,9 @@ def arrivals(rule, damping, state: PVIState, data, mask, sizes, key, order, stal
         communications=state.communications + jnp.sum(act),
     )
     participated = jnp.zeros(sizes.shape[0], bool).at[order].max(act)
-    return new_state, {"valid": valid, "loss": loss, "participated": participated, "order": order, "invalid": invalid}
+    failed_clients = jnp.zeros(sizes.shape[0], bool).at[order].max(failed)
+    return new_state, {"valid": valid, "loss": loss, "participated": participated, "order": order, "invalid": invalid,
+                       "failed": failed_clients}
 
 
 def arrival_order(key, sizes, active, num_arrivals: int):
@@ -169,6 +177,8 @@ def client_level(rule, damping, state: PVIState, data, mask, sizes, key, clip, n
     keys = jax.vmap(lambda i: jax.random.fold_in(k_clients, i))(jnp.arange(m))
     q_new, client_state, metrics = jax.vmap(rule.update, in_axes=(None, 0, 0, 0, 0, 0, 0))(
         q, cavities, data, mask, sizes, keys, state.client_state)
+    failed = part & ~jax.vmap(_finite)(q_new)
+    part = part & ~failed
     changes = jax.vmap(lambda a: clip_change(factors.divide(a, q), clip))(q_new)
     changes = Gaussian(*(jnp.where(part[:, None], c, 0.0) for c in changes))
     k1, k2 = jax.random.split(k_noise)
@@ -180,4 +190,4 @@ def client_level(rule, damping, state: PVIState, data, mask, sizes, key, clip, n
     valid = factors.is_proper(new_q)
     new_state = state._replace(q=new_q, factors=factors.multiply(state.factors, delta), q_seen=_broadcast(new_q, m),
                                round=state.round + 1, communications=state.communications + jnp.sum(part))
-    return new_state, {"valid": valid, "loss": metrics["loss"], "participated": part}
+    return new_state, {"valid": valid, "loss": metrics["loss"], "participated": part | failed, "failed": failed}
