@@ -80,6 +80,8 @@ def test_private_fit_needs_public_bounds():
     with pytest.raises(ValueError, match="feature_bound"):
         fit_vips(BayesianLinearRegression(2, 1.0), (x, x[:, 0]), privacy=Privacy(noise_multiplier=1.0),
                  rng_key=jax.random.key(0))
+    with pytest.raises(ValueError, match="epsilon_max"):
+        fit_vips(BetaBernoulli(), (Y,), privacy=Privacy(epsilon=1.0, epsilon_max=1.0), rng_key=jax.random.key(0))
     with pytest.raises(TypeError, match="Privacy"):
         fit_vips(BetaBernoulli(), (Y,), privacy={"epsilon": 1.0}, rng_key=jax.random.key(0))
 
