@@ -94,8 +94,9 @@ class DPPVI:
             if trusted_aggregator:
                 raise ValueError("a trusted aggregator does not help DP optimisation (each step's noise is local); "
                                  "use an update-perturbation method or trusted_aggregator=False")
-        if privacy is not None and privacy.adaptive_clip is not None:
-            raise NotImplementedError("adaptive clipping is not wired into fit_dppvi yet; use a fixed clip")
+        if privacy is not None and privacy.adaptive_clip is not None and method != "dp_optimisation":
+            raise ValueError("adaptive clipping applies to per-example gradient clipping: use "
+                             "method='dp_optimisation' or a fixed clip")
         if method == "pvi" and privacy is not None and privacy_unit != "client":
             raise ValueError("method='pvi' is not private at the example level; use method='dp_optimisation' or an "
                              "update-perturbation method, or privacy_unit='client' for client-level DP")
@@ -184,6 +185,18 @@ class DPPVI:
         self._round = jax.jit(self._round_fn)
         self._order = jax.jit(self._order_fn)
 
+    def _adaptive_clip_state(self) -> dict:
+        """Per-client adaptive clipping state, starting at ``Privacy.clip`` (stacked over clients)."""
+        from ..privacy.adaptive_clip import adaptive_clip_init
+
+        p, settings = self.privacy, self.privacy.adaptive_clip
+        states = [adaptive_clip_init(p.clip, float(self.batch_size), p.count_noise_std(float(z)),
+                                     settings.target_quantile, settings.learning_rate)
+                  for z in self.plan.noise_multipliers]
+        return {"clip": jax.tree.map(lambda *xs: jnp.stack(xs), *states),
+                "noise_per_clip": jnp.asarray([p.gradient_noise_std(float(z), clip=1.0)
+                                               for z in self.plan.noise_multipliers], jnp.float32)}
+
     def _noise_stds(self, active) -> np.ndarray:
         """Noise std each client adds this round (trusted aggregator: its share ``sigma C / sqrt(M)``)."""
         stds = np.array([self.plan.noise_std(m) for m in range(self.num_clients)])
@@ -203,6 +216,8 @@ class DPPVI:
         client_state = jax.vmap(self.rule.init_client_state)(self.data, self.mask, jax.random.split(init_key, m))
         if self.plan is not None and self.plan.kind != "client":
             client_state = dict(client_state, noise_std=jnp.asarray(self._noise_stds(np.ones(m)), jnp.float32))
+        if self.privacy is not None and self.privacy.adaptive_clip is not None:
+            client_state = dict(client_state, **self._adaptive_clip_state())
         state = PVIState(q=q, factors=zeros, server_factor=t0, q_seen=server._broadcast(q, m),
                          client_state=client_state, key=key, round=jnp.array(0, jnp.int32),
                          communications=jnp.array(0, jnp.int32), active=jnp.ones(m, bool))

@@ -163,26 +163,59 @@ class DPOptimisation(NonPrivate):
             idx, bmask = without_replacement_batch(key, mask, self.batch_size)
         return take_rows(arrays, idx), bmask
 
-    def clipped_sum(self, params, eps, rows, bmask):
+    def clipped_sum(self, params, eps, rows, bmask, clip=None):
         """``sum_{i in B} clip_C(g_i)`` of per-example likelihood gradients (the released query, pre-noise)."""
+        return self.clipped_sum_and_norms(params, eps, rows, bmask, clip)[0]
+
+    def clipped_sum_and_norms(self, params, eps, rows, bmask, clip=None):
+        """:meth:`clipped_sum` and the unclipped per-example norms (for adaptive clipping)."""
         from ..privacy.mechanisms import clip_per_example
 
         ell = lambda p, row: objectives.expected_log_lik_row(self.log_lik_row, p, eps, row)
         per_example = jax.vmap(jax.grad(ell), in_axes=(None, 0))(params, rows)
-        clipped, _ = clip_per_example(per_example, self.clip)
-        return jax.tree.map(lambda g: jnp.sum(jnp.where(_expand(bmask, g), g, 0.0), axis=0), clipped)
+        clipped, norms = clip_per_example(per_example, self.clip if clip is None else clip)
+        summed = jax.tree.map(lambda g: jnp.sum(jnp.where(_expand(bmask, g), g, 0.0), axis=0), clipped)
+        return summed, norms
 
-    def gradient(self, params, key, arrays, mask, n, cavity, client_state):
+    def private_step(self, params, key, arrays, mask, n, cavity, client_state):
+        """One DP-SGD step: ``(gradient of the loss, data-free loss, client_state)``.
+
+        With adaptive clipping (``client_state["clip"]``, Andrew et al. 2021) the clip norm is the
+        client's current private quantile estimate; the gradient noise scales with it
+        (``noise_per_clip * C_t``, a constant noise multiplier) and the noisy count of norms below
+        ``C_t`` on the same batch updates it; the pair is one accounted release
+        (``privacy.adaptive_clip``).
+        """
+        from ..privacy.adaptive_clip import adaptive_clip_update
         from ..privacy.mechanisms import gaussian_noise_like
 
-        k_batch, k_eps, k_noise = jax.random.split(key, 3)
+        k_batch, k_eps, k_noise, k_count = jax.random.split(key, 4)
         rows, bmask = self.batch(k_batch, arrays, mask, n)
         eps = jax.random.normal(k_eps, (self.num_samples, self.dim))
-        summed = self.clipped_sum(params, eps, rows, bmask)
-        noise = jax.tree.map(lambda z: client_state["noise_std"] * z, gaussian_noise_like(k_noise, summed, 1.0))
+        adaptive = "clip" in client_state
+        clip = client_state["clip"].clip if adaptive else None
+        summed, norms = self.clipped_sum_and_norms(params, eps, rows, bmask, clip)
+        std = client_state["noise_per_clip"] * clip if adaptive else client_state["noise_std"]
+        noise = jax.tree.map(lambda z: std * z, gaussian_noise_like(k_noise, summed, 1.0))
         prior_value, prior_grad = jax.value_and_grad(lambda p: objectives.cavity_term(p, cavity) / n)(params)
         grads = jax.tree.map(lambda s, z, pg: -((s + z) / self.batch_size + pg), summed, noise, prior_grad)
-        return grads, -prior_value
+        if adaptive:
+            client_state = dict(client_state, clip=adaptive_clip_update(client_state["clip"], norms, bmask, k_count))
+        return grads, -prior_value, client_state
+
+    def update(self, q, cavity, arrays, mask, n, key, client_state):
+        params = factors.to_loc_log_scale(q)
+        opt_state = self.optimizer.init(params)
+
+        def step(carry, t):
+            params, opt_state, cs = carry
+            grads, loss, cs = self.private_step(params, jax.random.fold_in(key, t), arrays, mask, n, cavity, cs)
+            updates, opt_state = self.optimizer.update(grads, opt_state, params)
+            return (optax.apply_updates(params, updates), opt_state, cs), loss
+
+        (params, _, client_state), losses = jax.lax.scan(step, (params, opt_state, client_state),
+                                                         jnp.arange(self.local_steps))
+        return factors.from_loc_log_scale(params), client_state, {"loss": losses[-1]}
 
 
 def _expand(flag, x):
