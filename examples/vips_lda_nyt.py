@@ -89,8 +89,8 @@ def main(argv=None):
         defaults = dict(topics=20, documents=None, iterations=100, batch_size=1000, epsilon=[1, 2, 4, 8],
                         inner_iterations=30, num_test=800)
     else:
-        defaults = dict(topics=5, documents=600, iterations=8, batch_size=150, epsilon=[2.0],
-                        inner_iterations=10, num_test=100)
+        defaults = dict(topics=4, documents=300, iterations=4, batch_size=75, epsilon=[2.0],
+                        inner_iterations=5, num_test=60)
     pick = lambda name: getattr(args, name) if getattr(args, name) is not None else defaults[name]  # noqa: E731
     rows = run(pick("epsilon"), pick("topics"), pick("documents"), defaults["num_test"], args.doc_length,
                pick("batch_size"), pick("iterations"), args.clip, 0, pick("inner_iterations"))

@@ -71,7 +71,7 @@ def main(argv=None):
     if args.full:
         defaults = dict(hidden=50, train=60000, batch_size=[400, 800, 1600, 3200], num_test=1000, inner=5)
     else:
-        defaults = dict(hidden=5, train=600, batch_size=[200], num_test=100, inner=2)
+        defaults = dict(hidden=4, train=400, batch_size=[200], num_test=100, inner=2)
     pick = lambda name: getattr(args, name) if getattr(args, name) is not None else defaults[name]  # noqa: E731
     rows = run(pick("hidden"), pick("train"), defaults["num_test"], pick("batch_size"), args.noise_multiplier,
                args.clip, args.epochs, defaults["inner"], 0)

@@ -29,8 +29,7 @@ def _require(relpath):
 
 def test_lda_example_smoke():
     _require("nyt/nyt.ldac.gz")
-    rows = _example("vips_lda_nyt").main(["--documents", "150", "--iterations", "2", "--topics", "3",
-                                          "--batch-size", "50", "--inner-iterations", "3", "--epsilon", "2.0"])
+    rows = _example("vips_lda_nyt").main([])  # the small default size
     assert [r["method"] for r in rows] == ["unigram", "LDA", "VIPS LDA"]
     assert all(np.isfinite(r["perplexity"]) and r["perplexity"] > 1 for r in rows)
     assert rows[2]["epsilon"] <= 2.0
@@ -38,7 +37,7 @@ def test_lda_example_smoke():
 
 def test_sbn_example_smoke():
     _require("mnist/train-images.idx3-ubyte.gz")
-    rows = _example("vips_sbn_mnist").main(["--hidden", "3", "--train", "300", "--batch-size", "150"])
+    rows = _example("vips_sbn_mnist").main([])  # the small default size
     assert [r["method"] for r in rows] == ["mean image", "SBN", "VIPS SBN"]
     assert all(0.5 < r["pixel_accuracy"] <= 1.0 for r in rows)
     assert rows[2]["epsilon"] > 0
