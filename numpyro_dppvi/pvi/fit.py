@@ -381,7 +381,20 @@ def fit_dppvi(model, clients, *, method: str = "pvi", schedule: str = "synchrono
     ``checkpoint=path`` saves the fit after every round; ``resume=path`` continues a saved fit (same
     model, clients and settings) up to ``rounds`` rounds in total, with its privacy ledger: a resumed
     fit gives the same result as an uninterrupted one and never re-spends or forgets budget.
+
+    ``method="vips"``: federated VIPS for conjugate-exponential models (a ``ConjugateModel`` or a
+    NumPyro model matching a supported pattern): exact local steps, each client releasing its clipped,
+    noised expected sufficient statistics once per round; returns a ``VIPSResult``
+    (see :func:`numpyro_dppvi.vips.federated_fit.fit_federated_vips`).
     """
+    if method == "vips":
+        from ..vips.federated_fit import fit_federated_vips
+
+        unknown = set(options) - {"trusted_aggregator", "detect_options"}
+        if unknown:
+            raise ValueError(f"method='vips' does not take {sorted(unknown)}")
+        return fit_federated_vips(model, clients, privacy=privacy, rounds=rounds, schedule=schedule, damping=damping,
+                                  rng_key=rng_key, **options)
     driver = DPPVI(model, method=method, schedule=schedule, optimizer=optimizer, local_steps=local_steps,
                    batch_size=batch_size, num_samples=num_samples, damping=damping, server_steps=server_steps,
                    privacy=privacy, rounds=rounds, **options)
