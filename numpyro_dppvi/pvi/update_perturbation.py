@@ -95,17 +95,8 @@ class LocalAveraging:
 
     def shard_update(self, q, cavity, num_shards, arrays, mask, opt_state, key):
         """One shard's proposal ``q_k`` (eq. 4.1): full-shard steps with the KL weighted by ``1 / N_m``."""
-        params0 = factors.to_loc_log_scale(q)
         size = jnp.maximum(jnp.sum(mask), 1.0)
-
-        def gradient(params, k):
-            eps = jax.random.normal(k, (self.num_samples, self.dim))
-            loss = lambda p: -objectives.local_elbo(self.log_lik_rows, p, eps, arrays, mask, num_shards * size, cavity)
-            value, grads = jax.value_and_grad(loss)(params)
-            return grads, value
-
-        params, _, opt_state = optimise(self.optimizer, params0, self.local_steps, key, gradient, opt_state)
-        return factors.from_loc_log_scale(params), opt_state
+        return fit_shard(self, q, cavity, arrays, mask, num_shards * size, key, opt_state)
 
     def clipped_sum(self, q, cavity, arrays, mask, key, client_state):
         """``(sum_k clip_C(Delta_k), new optimiser states)``: the released query before noise."""
@@ -150,16 +141,8 @@ class VirtualClients:
     def shard_update(self, q, t_k, arrays, mask, key):
         """One virtual client's PVI step from ``q`` with cavity ``q / t_k`` (full shard)."""
         cavity = factors.divide(q, t_k)
-        size = jnp.maximum(jnp.sum(mask), 1.0)
-
-        def gradient(params, k):
-            eps = jax.random.normal(k, (self.num_samples, self.dim))
-            loss = lambda p: -objectives.local_elbo(self.log_lik_rows, p, eps, arrays, mask, size, cavity)
-            value, grads = jax.value_and_grad(loss)(params)
-            return grads, value
-
-        params, _, _ = optimise(self.optimizer, factors.to_loc_log_scale(q), self.local_steps, key, gradient)
-        return factors.from_loc_log_scale(params), factors.is_proper(cavity)
+        q_k, _ = fit_shard(self, q, cavity, arrays, mask, jnp.maximum(jnp.sum(mask), 1.0), key)
+        return q_k, factors.is_proper(cavity)
 
     def clipped_changes(self, q, arrays, mask, key, client_state):
         """Per virtual client ``clip_C(Delta_k)`` (zero for padding shards and invalid cavities) and
@@ -192,6 +175,21 @@ class VirtualClients:
             new_t = Gaussian(*(a + jnp.where(valid_shard[:, None], f, 0.0) for a, f in zip(new_t, fix)))
         return proposal, dict(client_state, factors=new_t), {"loss": jnp.zeros(()), "invalid": invalid,
                                                           "cavity_invalid": cavity_invalid}
+
+
+def fit_shard(rule, q, cavity, arrays, mask, n_eff, key, opt_state=None):
+    """``local_steps`` full-shard steps from ``q`` on ``mean_i E_q[log p(x_i)] + (E_q log cavity + H[q]) / n_eff``;
+    returns the shard's proposal and the optimiser state."""
+
+    def gradient(params, k):
+        eps = jax.random.normal(k, (rule.num_samples, rule.dim))
+        loss = lambda p: -objectives.local_elbo(rule.log_lik_rows, p, eps, arrays, mask, n_eff, cavity)
+        value, grads = jax.value_and_grad(loss)(params)
+        return grads, value
+
+    params, _, opt_state = optimise(rule.optimizer, factors.to_loc_log_scale(q), rule.local_steps, key, gradient,
+                                    opt_state)
+    return factors.from_loc_log_scale(params), opt_state
 
 
 def _masked_sum(deltas: Gaussian, valid) -> Gaussian:
