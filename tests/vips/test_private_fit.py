@@ -22,7 +22,7 @@ def test_release_noise_has_the_declared_std_per_block():
     relative standard error of a std estimated from m draws is 1/sqrt(2m): with m >= 4,000
     that is <= 1.2%, so 5% is a 4-sigma tolerance."""
     bounds = {"v": 2.0, "m": 0.5, "s": 1.0}
-    ess = {"v": jnp.zeros(3), "m": jnp.zeros((2, 2)), "s": jnp.zeros((4, 4))}
+    ess = {"v": jnp.zeros(3), "m": jnp.zeros((2, 2)), "s": jnp.zeros((2, 4, 4))}  # two symmetric matrices
     std = 1.3 * math.sqrt(3)
     keys = jax.random.split(jax.random.key(0), 4000)
     draws = jax.jit(jax.vmap(lambda k: release_ess(ess, bounds, std, k, ("s",))))(keys)
@@ -30,8 +30,9 @@ def test_release_noise_has_the_declared_std_per_block():
     np.testing.assert_allclose(np.std(draws["m"]), std * 0.5, rtol=0.05)
     s = np.asarray(draws["s"])
     np.testing.assert_array_equal(s, np.swapaxes(s, -1, -2))  # symmetric noise
-    upper = s[:, np.triu_indices(4)[0], np.triu_indices(4)[1]]
+    upper = s[:, :, np.triu_indices(4)[0], np.triu_indices(4)[1]]
     np.testing.assert_allclose(np.std(upper), std * 1.0, rtol=0.05)
+    assert abs(np.corrcoef(s[:, 0, 0, 1], s[:, 1, 0, 1])[0, 1]) < 0.06  # the matrices get independent noise
     corr = np.corrcoef(np.asarray(draws["v"])[:, 0], np.asarray(draws["m"])[:, 0, 0])[0, 1]
     assert abs(corr) < 0.06  # independent blocks (4 sigma of a zero correlation at m = 4,000)
 
