@@ -11,7 +11,7 @@ used by Heikkila et al. (TMLR 2023), Appendix B. See :func:`partition`.
 from __future__ import annotations
 
 import math
-from typing import NamedTuple, Sequence
+from typing import NamedTuple
 
 import numpy as np
 

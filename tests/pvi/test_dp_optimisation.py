@@ -7,7 +7,6 @@ import optax
 import pytest
 
 import numpyro_dppvi as dppvi
-from numpyro_dppvi import factors
 from numpyro_dppvi.privacy import Privacy
 from numpyro_dppvi.privacy.mechanisms import tree_norm
 

@@ -4,7 +4,6 @@ import jax
 import numpy as np
 import numpyro
 import numpyro.distributions as dist
-import optax
 import pytest
 
 import numpyro_dppvi as dppvi
