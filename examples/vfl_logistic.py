@@ -88,7 +88,8 @@ def main(argv=None):
         fit = svi.run(jax.random.key(0), steps, y=y, progress_bar=False)
         elbo_true = -float(np.mean(fit.losses[-steps // 10:]))
         loc, scale = fit.params[f"{site}_auto_loc"][0], fit.params[f"{site}_auto_scale"][0]
-        draws[J, "true", "MFVI"] = np.asarray(loc + scale * np.random.default_rng(0).normal(size=2000))
+        noise = np.random.default_rng(0).normal(size=2000)
+        draws[J, "true", "MFVI"] = np.asarray(loc + scale * noise)
         rows.append((J, "-", "true", "MFVI", elbo_true, float(loc), float(scale)))
         print(f"J={J}: true model NUTS + MFVI in {time.time() - t:.0f}s", flush=True)
         for rho in rhos:

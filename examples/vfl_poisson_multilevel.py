@@ -91,7 +91,8 @@ def synthetic(args):
 
     def show(label, s):
         mu, beta = np.asarray(s["c0/mu"][:, 0]), np.asarray(s["c0/beta"][:, 0, 0])
-        print(f"{label:>28} {mu.mean():7.3f} ({mu.std():.3f}) {beta.mean():7.3f} ({beta.std():.3f})")
+        print(f"{label:>28} {mu.mean():7.3f} ({mu.std():.3f}) "
+              f"{beta.mean():7.3f} ({beta.std():.3f})")
 
     print(f"{'truth':>28} {truth['c0/mu'][0]:7.3f}         {truth['c0/beta'][0, 0]:7.3f}")
     show("true model, NUTS", ref)
@@ -153,7 +154,8 @@ def grouseticks(args):
     fits = {"true model, NUTS": ref}
     for rho in (0.5, 1.0):
         result = fit_vfl(clients, counts, poisson_log, formulation="augmented", guide="amortized",
-                         rho=rho, steps=steps, optimizer=optax.adam(1e-2), rng_key=jax.random.key(0))
+                         rho=rho, steps=steps, optimizer=optax.adam(1e-2),
+                         rng_key=jax.random.key(0))
         fits[f"augmented rho={rho}, SFVI"] = result.sample_posterior(jax.random.key(1), 2000)
     names = ["survey/beta", "sites/sd_location", "sites/sd_brood", "b"]
     print(f"{'fit':>28} " + " ".join(f"{n:>22}" for n in names))

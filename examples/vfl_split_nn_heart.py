@@ -9,7 +9,8 @@ predictions and over the incorrect ones.
 
 Both models use the same client network (default one tanh layer of 4 units, ``--hidden 8,2``
 for our first reading of the paper's "8 dimensions for the weights in the first two layers and 2
-in the final layer") and the same optimiser and number of iterations; the split NN's last layer is a point estimate, the hierarchical Bayes split
+in the final layer") and the same optimiser and number of iterations; the split NN's last
+layer is a point estimate, the hierarchical Bayes split
 NN's is ``w_j ~ N(0, 1)`` with ``z_ij ~ N(h_ij^T w_j, rho)`` (augmented-variable model, amortised
 guide). Defaults are short (1500 iterations at learning rate 1e-2); ``--full`` runs the paper's
 50,000 iterations at 1e-3 and rho in {1, 5, 10}.
@@ -67,7 +68,8 @@ def cross_validate(kind, rho=1.0, steps=STEPS, learning_rate=1e-2, num_folds=10,
     out = []
     for f, test in enumerate(folds):
         train = np.setdiff1d(np.arange(len(y)), test)
-        clients = [VFLClient(f"client{j + 1}", x[train][:, c], submodel) for j, c in enumerate(cols)]
+        clients = [VFLClient(f"client{j + 1}", x[train][:, c], submodel)
+                   for j, c in enumerate(cols)]
         t = time.time()
         result = fit_vfl(clients, y[train], bernoulli_logit,
                          formulation="augmented" if kind == "bayes" else "split",
@@ -101,10 +103,12 @@ def main(argv=None):
         rows.append((f"Hier. Bayes split NN, rho = {rho:g}",
                      cross_validate("bayes", rho=rho, steps=steps, learning_rate=lr,
                                     num_folds=folds, hidden=hidden, verbose=args.verbose)))
-    print(f"{'model':>34} {'accuracy (%)':>16} {'avg log-lik (all)':>20} {'avg log-lik (incorrect)':>24}")
+    print(f"{'model':>34} {'accuracy (%)':>16} {'avg log-lik (all)':>20} "
+          f"{'avg log-lik (incorrect)':>24}")
     for name, r in rows:
         acc, ll, wrong = r[:, 0] * 100, r[:, 1], r[:, 2]
-        print(f"{name:>34} {acc.mean():8.2f} +- {acc.std():4.2f} {ll.mean():11.2f} +- {ll.std():4.2f}"
+        print(f"{name:>34} {acc.mean():8.2f} +- {acc.std():4.2f} "
+              f"{ll.mean():11.2f} +- {ll.std():4.2f}"
               f" {np.nanmean(wrong):15.2f} +- {np.nanstd(wrong):4.2f}")
     return rows
 

@@ -4,6 +4,8 @@ A fit's jitted programs take the data as arguments (never as closed-over constan
 second fit with the same clients' sub-models, likelihood, settings and array shapes (e.g. the next
 fold of a cross-validation) reuses the compiled program instead of compiling it again. The key
 holds only static, hashable things: functions by identity, settings, names, shapes and dtypes.
+A sub-model or likelihood is traced once per key, so a function whose behaviour changes between
+fits (e.g. through a mutated global) must be passed as a new function object.
 """
 
 from __future__ import annotations

@@ -103,7 +103,9 @@ def check_clients(clients: Sequence[VFLClient], y=None) -> int:
             )
     for y_arr in map(np.asarray, jax.tree_util.tree_leaves(y)):
         if y_arr.ndim == 0 or y_arr.shape[0] != n:
-            raise ValueError(f"y must have the clients' {n} rows on its leading axis, got {y_arr.shape}")
+            raise ValueError(
+                f"y must have the clients' {n} rows on its leading axis, got {y_arr.shape}"
+            )
         if np.issubdtype(y_arr.dtype, np.floating) and not np.all(np.isfinite(y_arr)):
             raise ValueError("y contains NaN or inf; drop those rows on every client")
     return n
@@ -130,4 +132,5 @@ def split_columns(feature_names: Sequence[str], covariates: Sequence[Sequence[st
     unassigned = [names[i] for i in range(len(names)) if i not in owner]
     if unassigned:
         raise ValueError(f"features {unassigned} belong to no client; assign their covariates")
-    return [np.array([i for i in range(len(names)) if owner[i] == j]) for j in range(len(covariates))]
+    return [np.array([i for i in range(len(names)) if owner[i] == j])
+            for j in range(len(covariates))]

@@ -48,12 +48,14 @@ def _check_rho(rho) -> float:
     except (TypeError, ValueError):
         raise TypeError(f"rho must be a positive number, got {rho!r}") from None
     if not rho > 0 or not jnp.isfinite(rho):
-        raise ValueError(f"rho must be a positive finite number (the std of z_j | theta_j), got {rho}")
+        raise ValueError(
+            f"rho must be a positive finite number (the std of z_j | theta_j), got {rho}"
+        )
     return rho
 
 
-def aux_site_name(client: VFLClient) -> str:
-    return f"{client.name}/{AUX_SITE}"
+def _is_latent(msg) -> bool:
+    return msg["type"] == "sample" and not msg["is_observed"]
 
 
 def _auxiliary(client: VFLClient, g, rho):
@@ -63,7 +65,8 @@ def _auxiliary(client: VFLClient, g, rho):
 
 
 def centralised_model(clients: Sequence[VFLClient], likelihood: Callable):
-    """The true model (5): ``y ~ p(y | sum_j g_j(x_j, theta_j), gamma)``; returns ``model(y=None)``."""
+    """The true model (5): ``y ~ p(y | sum_j g_j(x_j, theta_j), gamma)``; returns
+    ``model(y=None)``."""
     check_clients(clients)
 
     def model(y=None):
@@ -121,8 +124,7 @@ def power_likelihood_model(clients: Sequence[VFLClient], likelihood: Callable, r
         for j, c in enumerate(clients):
             eta_j = gs[j] + z_total - zs[j]
             with handlers.scope(prefix=c.name), scale_observed(scale=1.0 / num_clients):
-                with handlers.block(hide_fn=lambda m: m["type"] == "sample" and not m["is_observed"]):
-                    with handlers.substitute(data=gamma):
-                        likelihood(eta_j, y)
+                with handlers.block(hide_fn=_is_latent), handlers.substitute(data=gamma):
+                    likelihood(eta_j, y)
 
     return model

@@ -6,8 +6,10 @@ function of the party's own variational parameters, a PRNG key, the batch row in
 payloads of messages it received. ELBO pieces (one MC sample; ``scale = n / batch``):
 
 * client, eq. (11)-(13), (15)-(17):
-  ``L_j = log p(theta_j) - log q(theta_j) + scale * sum_i [log N(z_ij | g_ij, rho) - log q(z_ij | .)]``
-* server, augmented (Alg. 1): ``L_0 = scale * log p(y_b | sum_j z_j, gamma) + log p(gamma) - log q(gamma)``
+  ``L_j = log p(theta_j) - log q(theta_j)
+  + scale * sum_i [log N(z_ij | g_ij, rho) - log q(z_ij | .)]``
+* server, augmented (Alg. 1):
+  ``L_0 = scale * log p(y_b | sum_j z_j, gamma) + log p(gamma) - log q(gamma)``
 * client, power (Alg. 2): ``L_0j = scale / J * log p(y_b | g_j + sum_{k != j} z_k, gamma)``;
   the server keeps ``log p(gamma) - log q(gamma)``.
 * split NN: ``z_j = g_j`` is deterministic, ``L_j = 0`` and the server's ``L_0`` as above.

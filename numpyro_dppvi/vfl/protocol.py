@@ -157,7 +157,8 @@ def make_step(clients, server, optimizer, *, formulation, num_samples, batch_siz
             new_c.append(p)
             new_opt.append(o)
             elbo = elbo + jnp.mean(locals_[j])
-        return {"clients": new_c, "server": sparams, "client_opt": new_opt, "server_opt": sopt}, elbo
+        new_state = {"clients": new_c, "server": sparams, "client_opt": new_opt, "server_opt": sopt}
+        return new_state, elbo
 
     def _power_round(state, channel, zs, locals_, pullbacks, server_keys, client_keys, inbox_index):
         gamma_u, _ = jax.vmap(lambda k: server.sample_gamma(state["server"], k))(server_keys)
@@ -200,7 +201,8 @@ def make_step(clients, server, optimizer, *, formulation, num_samples, batch_siz
             new_c.append(p)
             new_opt.append(o)
             elbo = elbo + jnp.mean(locals_[j]) + l0_values[j]
-        return {"clients": new_c, "server": sparams, "client_opt": new_opt, "server_opt": sopt}, elbo
+        new_state = {"clients": new_c, "server": sparams, "client_opt": new_opt, "server_opt": sopt}
+        return new_state, elbo
 
     def _server_power_grads(sparams, keys, dgamma):
         def mean_fn(sp):
@@ -221,20 +223,18 @@ def joint_elbo_estimate(clients, server, state, key, *, formulation, draws):
     tests and diagnostics: it reads every party's data in one place.
     """
     index, client_keys, server_keys = draws(key)
-    num_clients = len(clients)
+    cparams, sparams = state["clients"], state["server"]
 
-    def one_draw(cparams, sparams, s):
-        outs = [c.forward(p, ks[s], index) for c, p, ks in zip(clients, cparams, client_keys)]
+    def one_draw(ckeys, skey):
+        outs = [c.forward(p, k, index) for c, p, k in zip(clients, cparams, ckeys)]
         zs = [z for z, _ in outs]
         total = sum(local for _, local in outs)
         if formulation in ("augmented", "split"):
-            return total + server.augmented_objective(sparams, server_keys[s], index, zs)
-        gamma_u, log_q = server.sample_gamma(sparams, server_keys[s])
+            return total + server.augmented_objective(sparams, skey, index, zs)
+        gamma_u, log_q = server.sample_gamma(sparams, skey)
         z_all = jnp.stack(zs)
-        for c, p, ks in zip(clients, cparams, client_keys):
-            total = total + c.power_likelihood_term(p, ks[s], index, z_all, gamma_u)
+        for c, p, k in zip(clients, cparams, ckeys):
+            total = total + c.power_likelihood_term(p, k, index, z_all, gamma_u)
         return total + server.gamma_prior_term(gamma_u, log_q)
 
-    del num_clients
-    values = [one_draw(state["clients"], state["server"], s) for s in range(len(server_keys))]
-    return sum(values) / len(values)
+    return jnp.mean(jax.vmap(one_draw)(client_keys, server_keys))

@@ -5,7 +5,7 @@ from __future__ import annotations
 import functools
 from collections import Counter
 from dataclasses import dataclass, field
-from typing import Any, Callable, Sequence
+from typing import Any, Callable
 
 import jax
 import jax.numpy as jnp
@@ -90,7 +90,8 @@ class VFLResult:
         out.update(self.server.layout.constrain_latent(gamma))  # transforms broadcast over draws
         for party, p, k in zip(self.parties, state["clients"], k_clients):
             index = jnp.arange(party.num_rows)
-            u, z, _ = jax.vmap(lambda kk: party.draw(p, kk, index))(jax.random.split(k, num_samples))
+            keys = jax.random.split(k, num_samples)
+            u, z, _ = jax.vmap(lambda kk: party.draw(p, kk, index))(keys)
             out.update(party.layout.constrain_latent(u))
             if party.aux_guide is not None:
                 out[f"{party.name}/{AUX_SITE}"] = z

@@ -40,7 +40,8 @@ def linear_gaussian():
 def _flat(result):
     st = result.state
     c0, c1, s = st["clients"][0]["theta"], st["clients"][1]["theta"], st["server"]
-    loc = np.concatenate([c0["loc"]["c0/beta"], c1["loc"]["c1/beta"], [s["loc"]["b"], s["loc"]["sigma"]]])
+    loc = np.concatenate([c0["loc"]["c0/beta"], c1["loc"]["c1/beta"],
+                          [s["loc"]["b"], s["loc"]["sigma"]]])
     scale = np.exp(np.concatenate([c0["log_scale"]["c0/beta"], c1["log_scale"]["c1/beta"],
                                    [s["log_scale"]["b"], s["log_scale"]["sigma"]]]))
     return loc, scale
@@ -60,7 +61,8 @@ def test_sfvi_matches_central_svi_on_the_augmented_model(linear_gaussian):
     guide = AutoNormal(model, init_loc_fn=init_to_value(values=start))
     svi = SVI(model, guide, optax_to_numpyro(_schedule()), Trace_ELBO())
     p = svi.run(jax.random.key(100), STEPS, y=y, progress_bar=False).params
-    ref_loc = np.concatenate([p["c0/beta_auto_loc"], p["c1/beta_auto_loc"], [p["b_auto_loc"], p["sigma_auto_loc"]]])
+    ref_loc = np.concatenate([p["c0/beta_auto_loc"], p["c1/beta_auto_loc"],
+                              [p["b_auto_loc"], p["sigma_auto_loc"]]])
     ref_scale = np.concatenate([p["c0/beta_auto_scale"], p["c1/beta_auto_scale"],
                                 [p["b_auto_scale"], p["sigma_auto_scale"]]])
     loc, scale = _flat(result)

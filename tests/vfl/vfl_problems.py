@@ -31,6 +31,7 @@ def gaussian_likelihood(eta, y):
 def make_split(x, sizes, submodel=linear_submodel):
     """Clients ``c0, c1, ...`` holding consecutive blocks of ``sizes`` columns."""
     edges = np.cumsum([0, *sizes])
-    return [VFLClient(f"c{j}", x[:, a:b], submodel) for j, (a, b) in enumerate(zip(edges[:-1], edges[1:]))]
+    return [VFLClient(f"c{j}", x[:, a:b], submodel)
+            for j, (a, b) in enumerate(zip(edges[:-1], edges[1:]))]
 
 
