@@ -104,6 +104,12 @@ class VFLResult:
         draws = self.sample_posterior(rng_key, num_samples, include_aux)
         return az.from_dict(posterior={k: v[None] for k, v in draws.items()})
 
+    def summary(self, num_samples: int = 1000, rng_key=None, **kwargs):
+        """``arviz.summary`` of :meth:`to_arviz` (one chain: no R-hat)."""
+        import arviz as az
+
+        return az.summary(self.to_arviz(num_samples, rng_key), **kwargs)
+
     # ----- prediction ------------------------------------------------------------------------
     def _new_clients(self, x_new):
         if isinstance(x_new, dict):

@@ -102,6 +102,7 @@ def test_result_to_arviz_predict_and_history(linear_gaussian):
     assert float(post["sigma"].min()) > 0
     summary = az.summary(idata, kind="stats")
     assert "c1/beta[1]" in summary.index
+    assert set(result.summary(num_samples=300, kind="stats").index) == set(summary.index)
     with_aux = result.to_arviz(num_samples=300, include_aux=True)
     assert with_aux.posterior["c0/z"].shape == (1, 300, x.shape[0])
 
