@@ -1,0 +1,178 @@
+"""Determinism and PRNG-key hygiene of the PVI engine (issue 7, item 5).
+
+* Same inputs and ``rng_key`` give bit-identical posteriors, factors and ledgers for every method
+  and schedule (tiny sizes); a different key gives a different private fit (the key is used).
+* Noise keys are never reused across clients, rounds, shards or local steps: every Gaussian draw
+  the engine makes goes through ``jax.random.normal``; the tests wrap it so that each call reports
+  the key it was given (``jax.debug.callback`` works inside ``jit``, ``vmap`` and ``scan``), run
+  a few rounds, and require every recorded key to be distinct. A key used twice would give two
+  clients (or rounds, or shards) the same noise, which cancels in differences and breaks the
+  accounting's independence assumption.
+"""
+
+import traceback
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import numpyro
+import numpyro.distributions as dist
+import optax
+import pytest
+
+import numpyro_dppvi as dppvi
+from numpyro_dppvi.privacy import Privacy, gaussian_noise_like
+
+
+@dppvi.model
+def logistic(x, y=None):
+    w = numpyro.sample("w", dist.Normal(0.0, 1.0).expand([x.shape[1]]).to_event(1))
+    with numpyro.plate("data", x.shape[0]):
+        numpyro.sample("y", dist.Bernoulli(logits=x @ w), obs=y)
+
+
+def tiny_clients(m=3, n=8, seed=0):
+    rng = np.random.default_rng(seed)
+    x = rng.normal(size=(m * n, 2)).astype(np.float32)
+    y = (rng.uniform(size=m * n) < 1 / (1 + np.exp(-x @ np.array([1.0, -1.0])))).astype(np.float32)
+    return dppvi.partition((x, y), num_clients=m, seed=seed)
+
+
+PRIVATE = Privacy(noise_multiplier=2.0, clip=1.0)
+CONFIGS = {
+    "pvi": dict(method="pvi"),
+    "dp_optimisation": dict(method="dp_optimisation", batch_size=3, privacy=PRIVATE),
+    "local_averaging": dict(method="local_averaging", shards=2, privacy=PRIVATE),
+    "virtual_clients": dict(method="virtual_clients", shards=2, privacy=PRIVATE),
+    "parameter_perturbation": dict(method="parameter_perturbation", privacy=PRIVATE),
+}
+CASES = [(name, schedule) for name in CONFIGS for schedule in ("sequential", "synchronous", "asynchronous")]
+CASES += [("trusted_aggregator", "synchronous"), ("client_level", "synchronous")]
+
+
+def options(name):
+    if name == "trusted_aggregator":
+        return dict(CONFIGS["local_averaging"], trusted_aggregator=True)
+    if name == "client_level":
+        return dict(method="pvi", privacy_unit="client", client_rate=0.5, privacy=PRIVATE)
+    return CONFIGS[name]
+
+
+def fit(name, schedule, key, rounds=2, clients=None):
+    return dppvi.fit_dppvi(logistic, tiny_clients() if clients is None else clients, schedule=schedule,
+                           rounds=rounds, local_steps=2, num_samples=2, damping=0.5, optimizer=optax.adam(5e-2),
+                           rng_key=key, **options(name))
+
+
+def state_arrays(result):
+    return [np.asarray(leaf) for leaf in jax.tree_util.tree_leaves((result.state.q, result.state.factors))]
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("name,schedule", CASES)
+def test_same_key_gives_bit_identical_results(name, schedule):
+    """Two runs from the same initial state and key (one driver, compiled once) agree bit for bit;
+    the same state with another base key gives another result wherever the fit is random."""
+    d = dppvi.DPPVI(logistic, schedule=schedule, rounds=2, local_steps=2, num_samples=2, damping=0.5,
+                    optimizer=optax.adam(5e-2), **options(name))
+    clients = tiny_clients()
+    start = d.init(jax.random.key(7), clients)
+
+    def run(state):
+        ledger = None if d.privacy is None else d.privacy.ledger(len(clients), d.trusted_aggregator)
+        return d.run(None, clients, rounds=2, state=state, ledger=ledger)
+
+    first, second = run(start), run(start)
+    for a, b in zip(state_arrays(first), state_arrays(second)):
+        np.testing.assert_array_equal(a, b)
+    assert [h["participated"] for h in first.history] == [h["participated"] for h in second.history]
+    if first.privacy is not None:
+        assert first.privacy == second.privacy
+        np.testing.assert_array_equal(first.privacy.epsilon_per_client, second.privacy.epsilon_per_client)
+    if name != "pvi" or schedule == "asynchronous":  # randomness in the result: another key must change it
+        other = run(start._replace(key=jax.random.key_data(jax.random.key(8))))
+        assert any(not np.array_equal(a, b) for a, b in zip(state_arrays(first), state_arrays(other)))
+
+
+def test_same_key_gives_bit_identical_results_quick():
+    """Two separate fits (separate set-up and compilation): DP optimisation, synchronous."""
+    first = fit("dp_optimisation", "synchronous", jax.random.key(3), rounds=1)
+    second = fit("dp_optimisation", "synchronous", jax.random.key(3), rounds=1)
+    for a, b in zip(state_arrays(first), state_arrays(second)):
+        np.testing.assert_array_equal(a, b)
+
+
+# --------------------------------------------------------------------------- key hygiene
+
+ENGINE_FILES = ("pvi/local.py", "pvi/update_perturbation.py", "pvi/server.py", "privacy/mechanisms.py")
+
+
+def _from_engine():
+    """True when the draw is made by a local rule, the server or a mechanism (not, e.g., the model
+    adapter's one-off structure trace of the model, which uses a fixed key and touches no data)."""
+    return any(f.filename.replace("\\", "/").endswith(ENGINE_FILES) for f in traceback.extract_stack())
+
+
+@pytest.fixture
+def recorded_normal_keys(monkeypatch):
+    """Every key passed to ``jax.random.normal`` by the engine during the test, as rows of raw key data."""
+    seen = []
+    original = jax.random.normal
+
+    def recording_normal(key, *args, **kwargs):
+        if _from_engine():
+            data = jax.random.key_data(key) if jnp.issubdtype(key.dtype, jax.dtypes.prng_key) else key
+            jax.debug.callback(lambda d: seen.append(np.asarray(d).reshape(-1, 2).copy()), data)
+        return original(key, *args, **kwargs)
+
+    monkeypatch.setattr(jax.random, "normal", recording_normal)
+    return seen
+
+
+def assert_all_distinct(seen):
+    keys = np.concatenate(seen)
+    unique = np.unique(keys, axis=0)
+    assert len(keys) > 0
+    assert unique.shape[0] == keys.shape[0], f"{keys.shape[0] - unique.shape[0]} of {keys.shape[0]} normal draws reused a key"
+    return keys.shape[0]
+
+
+KEY_CASES = [("dp_optimisation", "synchronous"), ("dp_optimisation", "asynchronous"),
+             ("local_averaging", "sequential"), ("virtual_clients", "synchronous"),
+             ("trusted_aggregator", "synchronous"), ("client_level", "synchronous")]
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("name,schedule", KEY_CASES)
+def test_no_normal_draw_reuses_a_key(recorded_normal_keys, name, schedule):
+    """Three rounds, three clients, two shards / two local steps: every Gaussian draw (privacy noise,
+    Monte Carlo draws of q) has its own key, across clients, rounds, shards and steps."""
+    fit(name, schedule, jax.random.key(0), rounds=3)
+    draws = assert_all_distinct(recorded_normal_keys)
+    assert draws >= 3 * 3 * 2  # rounds x clients x (steps or shards) at least: the recorder saw them
+
+
+def test_no_normal_draw_reuses_a_key_quick(recorded_normal_keys):
+    """Default-suite representative: DP optimisation noise and draws over 2 rounds x 3 clients x 2 steps."""
+    fit("dp_optimisation", "synchronous", jax.random.key(0), rounds=2)
+    # per round, client and step: one draw of the Monte Carlo eps and one noise draw per parameter leaf
+    assert assert_all_distinct(recorded_normal_keys) == 2 * 3 * 2 * 3
+
+
+def test_the_recorder_detects_a_reused_key(recorded_normal_keys):
+    """The check can fail: two noise draws from one key are reported."""
+    noise = lambda k: gaussian_noise_like(k, jnp.zeros(2), 1.0)
+    jax.jit(lambda k: noise(k) + noise(k))(jax.random.key(0))
+    with pytest.raises(AssertionError, match="reused a key"):
+        assert_all_distinct(recorded_normal_keys)
+
+
+def test_resumed_rounds_use_new_keys(recorded_normal_keys):
+    """A fit stopped after round 1 and resumed draws round 2 from the round-2 keys: the union of
+    both parts has no repeated key (``round_key = fold_in(base, round)`` with the saved round)."""
+    clients = tiny_clients()
+    driver = lambda: dppvi.DPPVI(logistic, method="dp_optimisation", batch_size=3, privacy=PRIVATE, rounds=2,
+                                 local_steps=2, num_samples=2, damping=0.5, optimizer=optax.adam(5e-2))
+    part = driver().run(jax.random.key(0), clients, rounds=1)
+    driver().run(None, clients, rounds=1, state=part.state, history=part.history, ledger=part.privacy)
+    assert_all_distinct(recorded_normal_keys)
