@@ -4,7 +4,7 @@ Clients hold different columns of the same rows; each declares a NumPyro sub-mod
 contribution ``g_j`` to the linear predictor; the server holds ``y`` and the likelihood.
 """
 
-from .client import VFLClient
+from .client import VFLClient, split_columns
 from .fit import fit_vfl
 from .models import augmented_model, centralised_model, power_likelihood_model
 from .protocol import Channel, Message
@@ -21,4 +21,5 @@ __all__ = [
     "fit_vfl",
     "mlp_submodel",
     "power_likelihood_model",
+    "split_columns",
 ]
