@@ -13,7 +13,7 @@ from numpyro.optim import optax_to_numpyro
 
 from numpyro_dppvi.vfl import augmented_model, fit_vfl
 from numpyro_dppvi.vfl.protocol import joint_elbo_estimate, make_step
-from vfl_problems import gaussian_likelihood, make_split
+from .vfl_problems import gaussian_likelihood, make_split
 
 RHO = 0.5
 STEPS = 2000

@@ -9,7 +9,7 @@ from numpyro.infer import MCMC, NUTS
 from numpyro.infer.util import log_density
 
 from numpyro_dppvi.vfl import augmented_model, centralised_model, power_likelihood_model
-from vfl_problems import logistic_likelihood, make_split
+from .vfl_problems import logistic_likelihood, make_split
 
 
 def _bernoulli_logpmf(y, logits):

@@ -12,7 +12,7 @@ from numpyro_dppvi.vfl.parties import ServerParty, make_client_party
 from numpyro_dppvi.vfl.protocol import Channel, joint_elbo_estimate, make_step
 from numpyro_dppvi.vfl.sites import trace_layout, tree_size
 
-from vfl_problems import gaussian_likelihood, linear_submodel, logistic_likelihood, make_split
+from .vfl_problems import gaussian_likelihood, linear_submodel, logistic_likelihood, make_split
 
 
 def _parties(clients, y, likelihood, formulation, guide, rho=0.7):

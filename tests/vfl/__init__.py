@@ -1,0 +1,1 @@
+"""Tests of numpyro_dppvi.vfl."""
