@@ -27,6 +27,7 @@ from the Gaussian trade-off curve before the tests were written; the measured bo
 """
 
 import dataclasses
+import functools
 
 import jax
 import jax.numpy as jnp
@@ -100,6 +101,7 @@ def one_client(state, m=0):
 
 # --------------------------------------------------------------------------- DP optimisation
 
+@functools.lru_cache  # set-up (model trace, plan, init) shared by an audit and its planted bugs
 def dp_optimisation_setup(neighbouring="add_remove", steps=2, n=10, batch=5, noise_multiplier=1.0):
     privacy = Privacy(noise_multiplier=noise_multiplier, clip=CLIP, delta=DELTA, neighbouring=neighbouring)
     d = dppvi.DPPVI(linreg, method="dp_optimisation", privacy=privacy, batch_size=batch, local_steps=steps,
@@ -167,6 +169,7 @@ PUBLIC_Q = Gaussian(jnp.zeros(2), jnp.full(2, -50.0))
 UPDATE_SIGMA = 2.0
 
 
+@functools.lru_cache
 def update_setup(method, shards, noise_multiplier, num_clients=1, rows=4, trusted_aggregator=False):
     privacy = Privacy(noise_multiplier=noise_multiplier, clip=CLIP, delta=DELTA, neighbouring="substitute")
     clients = [planted_client(rows, m == 0) for m in range(num_clients)]
@@ -275,18 +278,23 @@ def test_trusted_aggregator_audit(bug):
 
 # --------------------------------------------------------------------------- client-level DP
 
-@pytest.mark.slow
-@pytest.mark.parametrize("bug", ["none", "clip skipped"])
-def test_client_level_audit(bug):
-    """Client-level DP, 3 clients sampled at rate 0.5: one round's change of q with client 0 present
-    or removed (deactivated), through ``server.client_level`` with the plan's noise std."""
+@functools.lru_cache
+def client_level_setup():
     privacy = Privacy(noise_multiplier=1.0, clip=CLIP, delta=DELTA)
     clients = [planted_client(4, m == 0) for m in range(3)]
     d = dppvi.DPPVI(linreg, method="pvi", privacy_unit="client", client_rate=0.5, privacy=privacy,
                     schedule="synchronous", local_steps=5, rounds=1, num_samples=4, optimizer=optax.sgd(1e-2))
     state = d.init(jax.random.key(0), clients)
-    claim = ledger_epsilon(privacy, [[d.plan.event(m, 1)] for m in range(3)])
-    clip = 1e6 if bug == "clip skipped" else privacy.clip
+    return d, state, ledger_epsilon(privacy, [[d.plan.event(m, 1)] for m in range(3)])
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("bug", ["none", "clip skipped"])
+def test_client_level_audit(bug):
+    """Client-level DP, 3 clients sampled at rate 0.5: one round's change of q with client 0 present
+    or removed (deactivated), through ``server.client_level`` with the plan's noise std."""
+    d, state, claim = client_level_setup()
+    clip = 1e6 if bug == "clip skipped" else d.privacy.clip
     noise_std = d.plan.noise_std(0)
 
     def mechanism(key, active):
