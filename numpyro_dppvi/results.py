@@ -73,22 +73,21 @@ class DPPVIResult:
         return evaluate(self.adapter, self.q, arrays, jax.random.key(3) if rng_key is None else rng_key, num_samples)
 
     def to_arviz(self, num_samples: int = 1000, rng_key=None, eval_data: Sequence | None = None):
-        """``arviz.InferenceData`` with a ``posterior`` group (site names and shapes, one chain) and,
+        """ArviZ data (``InferenceData``; a ``DataTree`` with ArviZ 1.x) with a ``posterior`` group (site names and shapes, one chain) and,
         given ``eval_data``, a ``log_likelihood`` group (per held-out row)."""
-        import arviz as az
+        from .arviz_compat import from_groups
 
         rng_key = jax.random.key(4) if rng_key is None else rng_key
         k_post, _ = jax.random.split(rng_key)
         samples = self.sample(num_samples, k_post)
-        posterior = {k: v[None] for k, v in samples.items()}
-        kwargs = {}
+        groups = {"posterior": {k: v[None] for k, v in samples.items()}}
         if eval_data is not None:
             arrays = self.adapter.validate_data(eval_data, "eval_data")
             loc, scale = factors.to_loc_scale(self.q)
             u = loc + scale * jax.random.normal(k_post, (int(num_samples),) + loc.shape)
             ll = jax.lax.map(lambda u_s: self.adapter.log_lik_rows(u_s, arrays), u)
-            kwargs["log_likelihood"] = {self.adapter.observed[0]: np.asarray(ll)[None]}
-        return az.from_dict(posterior=posterior, **kwargs)
+            groups["log_likelihood"] = {self.adapter.observed[0]: np.asarray(ll)[None]}
+        return from_groups(groups)
 
     def summary(self, num_samples: int = 1000, **kwargs):
         import arviz as az
