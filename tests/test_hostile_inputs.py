@@ -52,8 +52,10 @@ ENTRY_POINTS = {
     "global_vi": lambda c: dppvi.fit_global_vi(logistic, c, steps=1, steps_per_round=1, batch_size=2),
     "bcm": lambda c: dppvi.fit_bcm(logistic, c, local_steps=1, batch_size=2),
     "driver": lambda c: dppvi.DPPVI(logistic, local_steps=1).init(jax.random.key(0), c),
+    "federated_vips": lambda c: dppvi.fit_dppvi(BayesianLinearRegression(2, 1.0), c, method="vips", rounds=1),
 }
-entry_points = st.sampled_from(sorted(ENTRY_POINTS))
+every_entry_point = pytest.mark.parametrize("entry", sorted(ENTRY_POINTS))
+FEW = settings(max_examples=4, deadline=None, derandomize=True)
 
 
 def raises_naming(exc, *words):
@@ -63,8 +65,9 @@ def raises_naming(exc, *words):
 
 # --------------------------------------------------------------------------- data
 
-@SETTINGS
-@given(entry=entry_points, client=st.integers(0, 1), array=st.integers(0, 1), row=st.integers(0, 5),
+@every_entry_point
+@FEW
+@given(client=st.integers(0, 1), array=st.integers(0, 1), row=st.integers(0, 5),
        value=st.sampled_from([math.nan, math.inf, -math.inf]))
 def test_non_finite_data_is_rejected_before_training(entry, client, array, row, value):
     clients = tiny_clients()
@@ -84,8 +87,9 @@ def test_non_finite_data_is_rejected_by_partition_and_fit_vips(row, value):
         fit_vips(BayesianLinearRegression(2, 1.0), (x, np.zeros(10)), rng_key=jax.random.key(0))
 
 
-@SETTINGS
-@given(entry=entry_points, dtype=st.sampled_from(["U3", "object"]))
+@every_entry_point
+@FEW
+@given(dtype=st.sampled_from(["U3", "object"]))
 def test_non_numeric_dtypes_are_rejected(entry, dtype):
     clients = tiny_clients()
     clients = [(x.astype(str).astype(dtype), y) for x, y in clients]
@@ -138,16 +142,17 @@ SHAPE_FAULTS = {
 }
 
 
-@SETTINGS
-@given(entry=entry_points, fault=st.sampled_from(sorted(SHAPE_FAULTS)))
+@every_entry_point
+@pytest.mark.parametrize("fault", sorted(SHAPE_FAULTS))
 def test_wrong_shapes_are_rejected(entry, fault):
     make, exc, words = SHAPE_FAULTS[fault]
     with raises_naming(exc, words):
         ENTRY_POINTS[entry](make(tiny_clients()))
 
 
-@SETTINGS
-@given(entry=entry_points, which=st.integers(0, 1))
+@every_entry_point
+@FEW
+@given(which=st.integers(0, 1))
 def test_empty_clients_are_rejected(entry, which):
     clients = tiny_clients()
     clients[which] = tuple(a[:0] for a in clients[which])
