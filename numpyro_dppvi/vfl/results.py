@@ -99,10 +99,10 @@ class VFLResult:
 
     def to_arviz(self, num_samples: int = 1000, rng_key=None, include_aux: bool = False):
         """``arviz.InferenceData`` with a ``posterior`` group (one chain) of the latent sites."""
-        import arviz as az
+        from numpyro_dppvi.arviz_compat import from_groups
 
         draws = self.sample_posterior(rng_key, num_samples, include_aux)
-        return az.from_dict(posterior={k: v[None] for k, v in draws.items()})
+        return from_groups({"posterior": {k: v[None] for k, v in draws.items()}})
 
     def summary(self, num_samples: int = 1000, rng_key=None, **kwargs):
         """``arviz.summary`` of :meth:`to_arviz` (one chain: no R-hat)."""

@@ -66,7 +66,8 @@ def fit_federated_vips(model, clients, *, privacy=None, rounds: int = 1, schedul
         clip = privacy.clip
     share = sigma / np.sqrt(num_clients) if trusted_aggregator else sigma
     params = conjugate.prior_params()
-    factors: list = [None] * num_clients
+    nbar0 = conjugate.expected_natural_params(params)
+    factors = [jax.tree_util.tree_map(jnp.zeros_like, _zero_factor(conjugate, d, nbar0)) for d in data]
     history = []
     step = jax.jit(lambda d, nbar, prev, key: conjugate_client_delta(
         conjugate, d, nbar, prev, noise_key=key, clip=clip, noise_multiplier=share)[0])
@@ -77,8 +78,6 @@ def fit_federated_vips(model, clients, *, privacy=None, rounds: int = 1, schedul
             if schedule == "sequential":
                 nbar = conjugate.expected_natural_params(params)
             key = jax.random.fold_in(round_key, m)
-            if factors[m] is None:
-                factors[m] = jax.tree_util.tree_map(jnp.zeros_like, _zero_factor(conjugate, data[m], nbar))
             delta = step(data[m], nbar, factors[m], key)
             factors[m] = jax.tree_util.tree_map(lambda t, d: t + damping * d, factors[m], delta)
             if ledger is not None:

@@ -58,10 +58,10 @@ class VIPSResult:
 
     def to_arviz(self, num_samples: int = 1000, rng_key=None):
         """ArviZ ``InferenceData`` with a ``posterior`` group (one chain of ``num_samples`` draws)."""
-        import arviz as az
+        from numpyro_dppvi.arviz_compat import from_groups
 
         samples = self.posterior_samples(num_samples, rng_key)
-        return az.from_dict(posterior={name: value[None] for name, value in samples.items()})
+        return from_groups({"posterior": {name: value[None] for name, value in samples.items()}})
 
     def summary(self, num_samples: int = 1000, rng_key=None, **kwargs):
         import arviz as az
