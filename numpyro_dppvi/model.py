@@ -280,4 +280,6 @@ class ModelAdapter:
         for a, ref in zip(arrays, self.example_row):
             if a.shape[1:] != ref.shape[1:]:
                 raise ValueError(f"{what}: row shape {a.shape[1:]} differs from the model's {ref.shape[1:]}")
+            if jnp.issubdtype(a.dtype, jnp.inexact) and not bool(jnp.all(jnp.isfinite(a))):
+                raise ValueError(f"{what} contains NaN or inf: remove or impute those rows first")
         return arrays

@@ -33,6 +33,18 @@ UPDATE_METHODS = ("local_averaging", "virtual_clients", "parameter_perturbation"
 PRIVACY_UNITS = ("example", "client")
 
 
+def _key_data(rng_key) -> jax.Array:
+    """Raw uint32 data of a JAX PRNG key (typed ``jax.random.key`` or legacy ``PRNGKey``)."""
+    dtype = getattr(rng_key, "dtype", None)
+    if dtype is None:
+        raise TypeError(f"rng_key must be a JAX PRNG key such as jax.random.key(0), got {type(rng_key).__name__}")
+    if jnp.issubdtype(dtype, jax.dtypes.prng_key):
+        return jax.random.key_data(rng_key)
+    if dtype != jnp.uint32 or rng_key.shape[-1:] != (2,):
+        raise TypeError(f"rng_key must be a JAX PRNG key such as jax.random.key(0), got an array of {dtype} {rng_key.shape}")
+    return rng_key
+
+
 class FitDiverged(FloatingPointError):
     """A round would have made the posterior invalid; ``result`` holds the last valid state."""
 
@@ -211,7 +223,7 @@ class DPPVI:
         t0 = Gaussian(jnp.zeros(a.dim), jnp.where(a.server_mask, -0.5, 0.0))  # N(0, 1) on t_0's coordinates
         q = factors.multiply(a.prior, t0)
         zeros = Gaussian(jnp.zeros((m, a.dim)), jnp.zeros((m, a.dim)))
-        key = jax.random.key_data(rng_key) if jnp.issubdtype(rng_key.dtype, jax.dtypes.prng_key) else rng_key
+        key = _key_data(rng_key)
         init_key = jax.random.fold_in(jax.random.wrap_key_data(key), 0x7FFFFFFF)
         client_state = jax.vmap(self.rule.init_client_state)(self.data, self.mask, jax.random.split(init_key, m))
         if self.plan is not None and self.plan.kind != "client":

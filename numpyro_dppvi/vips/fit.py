@@ -44,6 +44,11 @@ from numpyro_dppvi.vips.results import VIPSResult
 def _check_data(data) -> tuple:
     if not isinstance(data, (tuple, list)):
         data = (data,)
+    for a in data:
+        kind = np.asarray(a).dtype.kind
+        if kind not in "biuf":
+            raise TypeError(f"data arrays must have a numeric dtype (bool, int or float), got dtype "
+                            f"{np.asarray(a).dtype}; convert or encode them first (e.g. a.astype(np.float32))")
     arrays = tuple(jnp.asarray(a) for a in data)
     if not arrays:
         raise ValueError("data is empty: pass a tuple of arrays whose leading axis is the individual.")
