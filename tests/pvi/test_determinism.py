@@ -167,10 +167,7 @@ def test_resumed_rounds_use_new_keys(recorded_normal_keys):
 
 
 @pytest.mark.slow
-@pytest.mark.parametrize("schedule", ["synchronous", pytest.param("sequential", marks=pytest.mark.xfail(
-    strict=True, reason="vips/federated_fit.py: the sequential schedule calls _sum(factors) after client 0 "
-                        "while the other clients' factors are still None (pytree structure error); "
-                        "initialise every factor before the first round"))])
+@pytest.mark.parametrize("schedule", ["synchronous", "sequential"])
 def test_federated_vips_is_bit_identical_and_draws_fresh_keys(recorded_normal_keys, schedule):
     """``fit_dppvi(method="vips")``: same key, same posterior bit for bit; each client's noisy ESS
     release in each round has its own keys."""
