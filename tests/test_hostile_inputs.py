@@ -5,8 +5,7 @@ Property tests (hypothesis, few examples, tiny data, ``rounds=1``, ``local_steps
 ``fit_vips``: non-finite data, wrong dtypes and shapes, clients smaller than the batch, empty
 clients, invalid privacy parameters and unknown names each raise a ``ValueError``/``TypeError``
 whose message names the fix, before any training; finite data, however extreme, never yields a
-NaN posterior. Known gaps are strict xfails (they turn into failures once fixed, so the marker
-gets removed).
+NaN posterior.
 """
 
 import math
@@ -97,8 +96,6 @@ def test_non_numeric_dtypes_are_rejected(entry, dtype):
         ENTRY_POINTS[entry](clients)
 
 
-@pytest.mark.xfail(strict=True, reason="fit_vips passes string arrays to jnp.asarray: a JAX TypeError "
-                                      "that does not name the fix (convert to a numeric dtype)")
 def test_fit_vips_rejects_string_data_with_a_clear_message():
     x = np.array([["a", "b"]] * 4)
     with raises_naming(TypeError, "numeric"):
@@ -185,9 +182,6 @@ def test_more_shards_than_rows_and_vips_batches_larger_than_the_data_are_rejecte
         fit_vips(BayesianLinearRegression(2, 1.0), data, batch_size=rows + extra, rng_key=jax.random.key(0))
 
 
-@pytest.mark.slow  # runs a fit
-@pytest.mark.xfail(strict=True, reason="ModelAdapter.validate_data does not check eval_data for NaN/inf: "
-                                      "fit_dppvi(eval_data=...) with NaN silently reports NaN metrics")
 def test_non_finite_eval_data_is_rejected():
     x, y = tiny_clients()[0]
     x[0, 0] = math.nan
@@ -299,8 +293,6 @@ def test_out_of_range_numeric_options_are_rejected(value, argument):
         dppvi.fit_dppvi(logistic, tiny_clients(), **kwargs, **FAST)
 
 
-@pytest.mark.xfail(strict=True, reason="fit_dppvi(rng_key=0) fails with AttributeError ('int' object has no "
-                                      "attribute 'dtype') instead of a TypeError asking for jax.random.key(0)")
 def test_integer_rng_key_is_a_clear_type_error():
     with raises_naming(TypeError, "jax.random.key"):
         dppvi.fit_dppvi(logistic, tiny_clients(), rng_key=0, **FAST)
