@@ -191,7 +191,10 @@ def plot(path: Path, rows: list[dict]) -> None:
     import numpy as np
 
     panels = sorted({(r["figure"], r["split"]) for r in rows}, key=lambda p: (p[0], list(SPLITS).index(p[1])))
-    fig, axes = plt.subplots(2, len(panels), figsize=(4.2 * len(panels), 6.5), squeeze=False)
+    fig, axes = plt.subplots(2, len(panels), figsize=(4.2 * len(panels), 6.8), squeeze=False)
+    names = list(dict.fromkeys(m for cfg in FIGURES.values() for m in cfg["methods"]))
+    colour = {m: plt.get_cmap("tab10")(i % 10) for i, m in enumerate(names)}  # one colour per method everywhere
+    handles = {}
     for col, (figure, split) in enumerate(panels):
         mine = [r for r in rows if (r["figure"], r["split"]) == (figure, split)]
         for method in dict.fromkeys(r["method"] for r in mine):
@@ -202,15 +205,17 @@ def plot(path: Path, rows: list[dict]) -> None:
                 values = [[r[metric] for r in runs if r["round"] == k] for k in rounds]
                 mean = [np.mean(v) for v in values]
                 sem = [np.std(v, ddof=1) / np.sqrt(len(v)) if len(v) > 1 else 0.0 for v in values]
-                axes[row, col].errorbar(comms, mean, yerr=sem, marker="o", ms=3, capsize=2, label=method)
+                handles[method] = axes[row, col].errorbar(comms, mean, yerr=sem, marker="o", ms=3, capsize=2,
+                                                          color=colour[method], label=method)
         cfg = FIGURES[figure]
         axes[0, col].set_title(f"Fig. {figure}: {cfg['clients']} clients, eps={cfg['epsilon']}, {split}")
         for row, label in enumerate(("test accuracy", "mean test log-likelihood")):
             axes[row, col].set_xscale("log")
             axes[row, col].set_xlabel("communications")
             axes[row, col].set_ylabel(label)
-    axes[0, -1].legend(fontsize=7)
-    fig.tight_layout()
+    ordered = [m for m in names if m in handles]
+    fig.legend([handles[m] for m in ordered], ordered, loc="lower center", ncol=len(ordered), fontsize=8)
+    fig.tight_layout(rect=(0, 0.05, 1, 1))
     fig.savefig(path, dpi=110)
     plt.close(fig)
 
