@@ -30,7 +30,9 @@ def main(repeats: int = 5):
         driver = dppvi.DPPVI(model, schedule=schedule, optimizer=optax.adam(1e-2), local_steps=10, batch_size=100,
                              num_samples=10, damping=0.5)
         state = driver.init(jax.random.key(0), clients)
-        results[f"{schedule}_round"] = time_call(lambda: driver._round(state, driver.data, driver.mask, driver.sizes)[0].q, repeats)
+        order = driver._order(state, driver.sizes)
+        results[f"{schedule}_round"] = time_call(
+            lambda: driver._round(state, driver.data, driver.mask, driver.sizes, order)[0].q, repeats)
 
     driver = dppvi.DPPVI(model, schedule="synchronous", optimizer=optax.adam(1e-2), local_steps=10, batch_size=100,
                          num_samples=10, damping=0.5)

@@ -19,7 +19,7 @@ Settings of virtual clients (tuned on the balanced split, seed 0; see ``SETTINGS
 
 * every training row is its own virtual client (``shards = n_m``): the clipped changes add up over
   thousands of virtual clients while the released noise stays ``sigma C``;
-* the local optimiser is a natural-gradient step on ``(mu, log s)`` (:func:`natural_gradient`), which
+* the local optimiser is a natural-gradient step on ``(mu, log s)`` (``numpyro_dppvi.optim.natural_gradient``), which
   moves a one-row virtual client by the amount its likelihood asks for. Adam moves every coordinate by
   about its learning rate, so the sum of thousands of one-row changes became a sum of signs (test
   accuracy 0.78, i.e. nothing learnt);
@@ -97,30 +97,10 @@ SETTINGS = {
 BASELINE_STEPS = {"reduced": {"bcm": 100, "global_vi": 500}, "full": {"bcm": 100, "global_vi": 2000}}
 
 
-def natural_gradient(learning_rate: float):
-    """Natural-gradient descent on ``{"loc": mu, "log_scale": log s}`` of a mean-field Gaussian (optax).
-
-    The Fisher information of ``N(mu, s^2)`` in ``(mu, log s)`` is ``diag(1 / s^2, 2)``, so the step is
-    ``mu <- mu - lr * s^2 * dL/dmu`` and ``log s <- log s - lr * dL/dlog s / 2``. For the local PVI
-    objective this is a Newton-like step whose size follows the curvature of each coordinate, which
-    Adam's per-coordinate normalisation throws away.
-    """
-    import jax.numpy as jnp
-    import optax
-
-    def init(params):
-        return optax.EmptyState()
-
-    def update(grads, state, params):
-        variance = jnp.exp(2.0 * params["log_scale"])
-        return {"loc": -learning_rate * variance * grads["loc"],
-                "log_scale": -0.5 * learning_rate * grads["log_scale"]}, state
-
-    return optax.GradientTransformation(init, update)
-
-
 def _optimizer(setting: Setting):
     import optax
+
+    from numpyro_dppvi.optim import natural_gradient
 
     if setting.optimizer == "adam":
         return optax.adam(setting.learning_rate)

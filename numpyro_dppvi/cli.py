@@ -38,11 +38,14 @@ def demo_methods(rounds: int, epsilon: float = 1.0, delta: float = 1e-5):
     """``name -> callable(model, clients, eval_data, rng_key) -> result`` for the demo table.
 
     Private methods run at ``(epsilon, delta)`` with add/remove neighbours and Poisson sampling; DP-PVI
-    uses the settings tuned on Adult (sequential, 5 rounds of 20 DP-SGD steps, clip 2, damping 0.5).
+    uses the settings tuned on Adult (sequential, 5 rounds of 20 DP-SGD steps, clip 2, damping 0.5);
+    the update-perturbation methods use a trusted aggregator with the settings of
+    ``examples/adult_dppvi.py`` (virtual clients: one row each, natural-gradient local steps).
     """
     import optax
 
     from . import pvi
+    from .optim import natural_gradient
     from .privacy import Privacy
 
     adam = optax.adam(1e-2)
@@ -69,6 +72,16 @@ def demo_methods(rounds: int, epsilon: float = 1.0, delta: float = 1e-5):
             privacy=private, progress=True),
         "DP BCM (same prior)": lambda m, c, e, k: pvi.fit_bcm(
             m, c, prior="same", local_steps=100, optimizer=adam, rng_key=k, eval_data=e, privacy=private),
+        "DP local averaging (TA)": lambda m, c, e, k: pvi.fit_dppvi(
+            m, c, method="local_averaging", privacy=Privacy(epsilon=epsilon, delta=delta, clip=1.0),
+            schedule="synchronous", trusted_aggregator=True, rounds=2, local_steps=20, optimizer=adam,
+            damping=0.5, shards=lambda n: max(n // 10, 1), invalid="floor", precision_floor=1.0, rng_key=k,
+            eval_data=e, progress=True),
+        "DP virtual clients (TA)": lambda m, c, e, k: pvi.fit_dppvi(
+            m, c, method="virtual_clients", privacy=Privacy(epsilon=epsilon, delta=delta, clip=1.0),
+            schedule="synchronous", trusted_aggregator=True, rounds=5, local_steps=10,
+            optimizer=natural_gradient(0.5), damping=0.1, shards=lambda n: n, invalid="floor",
+            precision_floor=10.0, rng_key=k, eval_data=e, progress=True),
     }
     return methods
 

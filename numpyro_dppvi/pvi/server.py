@@ -75,7 +75,8 @@ def synchronous(rule, damping, state: PVIState, data, mask, sizes, key):
     new_factors = factors.multiply(state.factors, delta)
     new_q = factors.multiply(q, factors.product(delta))
     client_state = jax.tree.map(lambda new, old: jnp.where(_expand(ok, new), new, old), client_state, state.client_state)
-    valid = jnp.all(jax.vmap(factors.is_proper)(cavities) | ~state.active) & factors.is_proper(new_q)
+    cavity_ok = jax.vmap(factors.is_proper)(cavities) | ~state.active | (not getattr(rule, "uses_client_cavity", True))
+    valid = jnp.all(cavity_ok) & factors.is_proper(new_q)
     new_state = state._replace(
         q=new_q, factors=new_factors, q_seen=_broadcast(new_q, m), client_state=client_state,
         round=state.round + 1, communications=state.communications + jnp.sum(state.active),
@@ -117,7 +118,8 @@ def arrivals(rule, damping, state: PVIState, data, mask, sizes, key, order, stal
         fac = jax.tree.map(lambda a, d: a.at[m].add(d), fac, delta)
         seen = jax.tree.map(lambda a, v: a.at[m].set(v), seen, q_next)
         cstate = jax.tree.map(lambda a, v: a.at[m].set(jnp.where(act, v, a[m])), cstate, cs_new)
-        valid = valid & ((factors.is_proper(cavity) & factors.is_proper(q_next)) | ~act)
+        cavity_ok = factors.is_proper(cavity) | (not getattr(rule, "uses_client_cavity", True))
+        valid = valid & ((cavity_ok & factors.is_proper(q_next)) | ~act)
         invalid = metrics.get("invalid", jnp.zeros((), bool)) & act
         return (q_next, fac, seen, cstate, valid), (metrics["loss"], act | failed, invalid, failed)
 

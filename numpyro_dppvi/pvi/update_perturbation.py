@@ -122,7 +122,13 @@ class LocalAveraging:
 
 @dataclass(frozen=True)
 class VirtualClients:
-    """Virtual PVI clients rule (see module docstring). ``clip=None``: non-private."""
+    """Virtual PVI clients rule (see module docstring). ``clip=None``: non-private.
+
+    The real client's cavity ``q / t_m`` is never used (each virtual client has its own), so the
+    server does not require it to be proper (``uses_client_cavity = False``).
+    """
+
+    uses_client_cavity = False
 
     log_lik_rows: Callable
     dim: int
