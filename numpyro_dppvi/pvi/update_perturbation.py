@@ -75,8 +75,8 @@ def apply_invalid_rule(q: Gaussian, proposal: Gaussian, damping, rule: str, prec
 
 
 @dataclass(frozen=True)
-class LocalAveraging:
-    """Local averaging / parameter perturbation rule (see module docstring). ``clip=None``: non-private."""
+class ShardRule:
+    """Settings shared by the shard-based rules; ``clip=None`` means non-private (no clip, no noise)."""
 
     log_lik_rows: Callable
     dim: int
@@ -87,6 +87,11 @@ class LocalAveraging:
     damping: float = 1.0
     invalid: str = "reject"
     precision_floor: float = 1e-3
+
+
+@dataclass(frozen=True)
+class LocalAveraging(ShardRule):
+    """Local averaging / parameter perturbation rule (see module docstring)."""
 
     def init_client_state(self, arrays, mask, key):
         params = {"loc": jnp.zeros(self.dim), "log_scale": jnp.zeros(self.dim)}
@@ -121,24 +126,14 @@ class LocalAveraging:
 
 
 @dataclass(frozen=True)
-class VirtualClients:
-    """Virtual PVI clients rule (see module docstring). ``clip=None``: non-private.
+class VirtualClients(ShardRule):
+    """Virtual PVI clients rule (see module docstring).
 
     The real client's cavity ``q / t_m`` is never used (each virtual client has its own), so the
     server does not require it to be proper (``uses_client_cavity = False``).
     """
 
     uses_client_cavity = False
-
-    log_lik_rows: Callable
-    dim: int
-    optimizer: optax.GradientTransformation
-    local_steps: int
-    num_samples: int
-    clip: float | None = None
-    damping: float = 1.0
-    invalid: str = "reject"
-    precision_floor: float = 1e-3
 
     def init_client_state(self, arrays, mask, key):
         k = mask.shape[0]
