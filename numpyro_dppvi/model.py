@@ -223,6 +223,11 @@ class ModelAdapter:
         self.has_server_factor = bool(np.any(np.asarray(self.server_mask)))
 
     # -- layout --------------------------------------------------------------------------------
+    @property
+    def site_sizes(self) -> tuple[int, ...]:
+        """Sizes of the sites' blocks of the flat unconstrained vector, in layout order."""
+        return tuple(s.size for s in self.sites)
+
     def unflatten(self, u: jax.Array) -> dict:
         """Flat unconstrained vector -> dict of unconstrained site arrays."""
         return {s.name: jnp.reshape(u[s.offset : s.offset + s.size], s.unconstrained_shape) for s in self.sites}
@@ -249,7 +254,12 @@ class ModelAdapter:
 
     def log_lik_row(self, u: jax.Array, row: tuple) -> jax.Array:
         """``log p(x_i | theta = T(u))`` for one row (arrays without the leading axis)."""
-        tr = self._run(self.constrain(u), tuple(jnp.expand_dims(a, 0) for a in row))
+        return self.log_lik_row_blocks([u[s.offset : s.offset + s.size] for s in self.sites], row)
+
+    def log_lik_row_blocks(self, blocks, row: tuple) -> jax.Array:
+        """:meth:`log_lik_row` of ``u`` given as its list of site blocks (``site_sizes``)."""
+        values = {s.name: s.transform(jnp.reshape(b, s.unconstrained_shape)) for s, b in zip(self.sites, blocks)}
+        tr = self._run(values, tuple(jnp.expand_dims(a, 0) for a in row))
         return sum(jnp.sum(tr[name]["fn"].log_prob(tr[name]["value"])) for name in self.observed)
 
     def log_lik_rows(self, u: jax.Array, arrays: tuple) -> jax.Array:

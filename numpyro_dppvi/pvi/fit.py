@@ -176,8 +176,9 @@ class DPPVI:
         if self.method == "dp_optimisation":
             self.plan = dp_sgd_plan(p, layout.sizes, self.batch_size, self.local_steps, self.planned_rounds)
             self.rule = DPOptimisation(a.log_lik_rows, a.dim, self.optimizer, self.local_steps, self.batch_size,
-                                       self.num_samples, log_lik_row=a.log_lik_row, clip=p.clip,
-                                       sampling=p.sampling, max_batch=self.plan.max_batch)
+                                       self.num_samples, log_lik_row=a.log_lik_row_blocks, clip=p.clip,
+                                       sampling=p.sampling, max_batch=self.plan.max_batch,
+                                       blocks=a.site_sizes)
         elif self.method in UPDATE_METHODS:
             self.plan = None if p is None else shard_update_plan(p, self.num_clients, self.planned_rounds)
             cls = VirtualClients if self.method == "virtual_clients" else LocalAveraging

@@ -144,13 +144,16 @@ class DPOptimisation(NonPrivate):
     server is the data-free part only (no unprivatised data-dependent value leaves the client).
 
     The noise std is per client (each client's noise is calibrated to its own sampling rate), carried
-    in ``client_state["noise_std"]``.
+    in ``client_state["noise_std"]``. ``log_lik_row(u, row)`` takes the flat ``u``; or, with ``blocks`` (the
+    model's ``site_sizes``), the list of its site blocks (``ModelAdapter.log_lik_row_blocks``),
+    which only changes the speed of the per-example gradients (``objectives.per_example_log_lik_grads``).
     """
 
     log_lik_row: Callable = None
     clip: float = 1.0
     sampling: str = "poisson"
     max_batch: int = 0
+    blocks: tuple = None
 
     def batch(self, key, arrays, mask, n):
         """The accounted sampler: Poisson at rate ``batch_size / n`` in a pad of ``max_batch``, or
@@ -169,12 +172,10 @@ class DPOptimisation(NonPrivate):
 
     def clipped_sum_and_norms(self, params, eps, rows, bmask, clip=None):
         """:meth:`clipped_sum` and the unclipped per-example norms (for adaptive clipping)."""
-        from ..privacy.mechanisms import clip_per_example
+        from ..privacy.mechanisms import clipped_sum
 
-        ell = lambda p, row: objectives.expected_log_lik_row(self.log_lik_row, p, eps, row)
-        per_example = jax.vmap(jax.grad(ell), in_axes=(None, 0))(params, rows)
-        clipped, norms = clip_per_example(per_example, self.clip if clip is None else clip)
-        summed = jax.tree.map(lambda g: jnp.sum(jnp.where(_expand(bmask, g), g, 0.0), axis=0), clipped)
+        per_example = objectives.per_example_log_lik_grads(self.log_lik_row, params, eps, rows, self.blocks)
+        summed, norms = clipped_sum(per_example, self.clip if clip is None else clip, bmask)
         return summed, norms
 
     def private_step(self, params, key, arrays, mask, n, cavity, client_state):
@@ -217,6 +218,3 @@ class DPOptimisation(NonPrivate):
                                                          jnp.arange(self.local_steps))
         return factors.from_loc_log_scale(params), client_state, {"loss": losses[-1]}
 
-
-def _expand(flag, x):
-    return jnp.reshape(flag, flag.shape + (1,) * (x.ndim - flag.ndim))

@@ -12,6 +12,7 @@ from numpyro_dppvi.privacy import (
     aggregator_noise_share,
     aggregator_noise_shares,
     clip_per_example,
+    clipped_sum,
     clip_update,
     gaussian_noise_like,
     per_example_norms,
@@ -54,6 +55,33 @@ def test_clipped_sum_sensitivity_on_random_neighbours(rows, new_row, which):
     tol = 1e-5 * CLIP * rows.shape[0]
     assert np.linalg.norm(full - removed) <= sensitivity(CLIP, "add_remove") + tol
     assert np.linalg.norm(full - replaced) <= sensitivity(CLIP, "substitute") + tol
+
+
+_masked_clipped_sum = jax.jit(lambda tree, mask: clipped_sum(tree, CLIP, mask)[0])
+
+
+@settings(max_examples=60, deadline=None)
+@given(rows=records, new_row=hnp.arrays(np.float64, 5, elements=st.floats(-1e3, 1e3, width=32)),
+       which=st.integers(0, 7))
+def test_masked_clipped_sum_sensitivity_and_agreement(rows, new_row, which):
+    """``clipped_sum`` (the weighted form the DP step uses): removing a record by masking it moves
+    the sum by at most C, replacing one by at most 2C, and it equals summing ``clip_per_example``.
+    Tolerance: float32 rounding of sums of <= 8 terms of norm <= C (relative 1e-5)."""
+    which = which % rows.shape[0]
+    mask = np.ones(rows.shape[0], bool)
+    full = _flat(_masked_clipped_sum(_as_tree(rows), mask))
+    removed_mask = mask.copy()
+    removed_mask[which] = False
+    removed = _flat(_masked_clipped_sum(_as_tree(rows), removed_mask))
+    replaced_rows = rows.copy()
+    replaced_rows[which] = new_row
+    replaced = _flat(_masked_clipped_sum(_as_tree(replaced_rows), mask))
+    tol = 1e-5 * CLIP * rows.shape[0]
+    assert np.linalg.norm(full - removed) <= sensitivity(CLIP, "add_remove") + tol
+    assert np.linalg.norm(full - replaced) <= sensitivity(CLIP, "substitute") + tol
+    np.testing.assert_allclose(full, _flat(_clipped_sum(_as_tree(rows))), rtol=1e-5, atol=tol)
+    np.testing.assert_allclose(removed, _flat(_clipped_sum(_as_tree(np.delete(rows, which, axis=0)))),
+                               rtol=1e-5, atol=tol)
 
 
 def test_worst_case_neighbours_attain_the_sensitivity():
