@@ -85,7 +85,8 @@ def clipped_sum(tree, clip, mask=None):
     as one weighted sum ``w^T g`` per leaf with ``w_i = mask_i min(1, C / ||g_i||)`` (a dot
     product instead of materialising the clipped rows; 2x faster in the DP step).
 
-    Sensitivity: every kept term has norm ``<= C``; a row outside the mask contributes nothing.
+    Sensitivity: every kept term has norm ``<= C``; a row outside the mask contributes nothing
+    (it is zeroed before the sum, so even a non-finite padding row cannot leak into it).
     Adding or removing one record therefore moves the sum by at most ``C`` and replacing one by
     at most ``2C`` (``sensitivity(C, relation, "sum_of_records")``).
 
@@ -99,6 +100,8 @@ def clipped_sum(tree, clip, mask=None):
         weight = jnp.where(mask, weight, 0.0)
 
     def weighted_sum(leaf):
+        if mask is not None:
+            leaf = jnp.where(jnp.reshape(mask, (-1,) + (1,) * (leaf.ndim - 1)), leaf, 0.0)
         return jnp.tensordot(weight.astype(leaf.dtype), leaf, axes=1)
 
     return jax.tree_util.tree_map(weighted_sum, tree), norms

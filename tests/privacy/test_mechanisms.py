@@ -84,6 +84,15 @@ def test_masked_clipped_sum_sensitivity_and_agreement(rows, new_row, which):
                                rtol=1e-5, atol=tol)
 
 
+def test_masked_rows_cannot_reach_the_clipped_sum_even_when_not_finite():
+    rows = np.ones((3, 5))
+    rows[2] = np.nan
+    tree = _as_tree(rows)
+    mask = np.array([True, True, False])
+    expected = _flat(_clipped_sum(_as_tree(rows[:2])))
+    np.testing.assert_allclose(_flat(_masked_clipped_sum(tree, mask)), expected, rtol=1e-6)
+
+
 def test_worst_case_neighbours_attain_the_sensitivity():
     rows = np.zeros((3, 5))
     rows[0, 0] = 10.0
