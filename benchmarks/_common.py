@@ -1,8 +1,15 @@
-"""Shared helpers of the speed harnesses: timing of the second call, JSON output."""
+"""Shared helpers of the speed harnesses: timing of the second call, JSON output.
+
+Where the JSON goes: the ``directory`` given to :func:`write`, else the folder named by the environment
+variable ``NUMPYRO_DPPVI_BENCH_OUT`` (``dppvi bench`` sets it: ``runs/bench/``, ``--out DIR``, or
+``benchmarks/results/`` with ``--update-results``), else ``benchmarks/results/`` (a script run directly,
+``python benchmarks/dp_step.py``, updates the tracked reference numbers, as before).
+"""
 
 from __future__ import annotations
 
 import json
+import os
 import platform
 import statistics
 import time
@@ -11,6 +18,7 @@ from pathlib import Path
 import jax
 
 RESULTS = Path(__file__).resolve().parent / "results"
+OUT_ENV = "NUMPYRO_DPPVI_BENCH_OUT"  # the same name as numpyro_dppvi.cli.BENCH_OUT_ENV
 
 
 def time_call(fn, repeats: int = 5) -> dict:
@@ -38,13 +46,24 @@ def time_interleaved(fns: dict, repeats: int = 30) -> dict:
     return {name: {"median_s": statistics.median(t), "min_s": min(t), "all_s": t} for name, t in times.items()}
 
 
-def write(name: str, payload: dict) -> Path:
-    RESULTS.mkdir(parents=True, exist_ok=True)
+def results_dir(directory: str | Path | None = None) -> Path:
+    """The folder the JSON results go to: ``directory``, else ``$NUMPYRO_DPPVI_BENCH_OUT``, else
+    ``benchmarks/results/``. Read at every call (``dppvi bench`` sets the variable per run)."""
+    if directory is not None:
+        return Path(directory)
+    return Path(os.environ[OUT_ENV]) if os.environ.get(OUT_ENV) else RESULTS
+
+
+def write(name: str, payload: dict, directory: str | Path | None = None) -> Path:
+    """Write ``payload`` with a description of the machine to ``<results_dir(directory)>/<name>.json``;
+    its path. ``dppvi bench`` prints the numbers as a table; this prints only where they went."""
+    folder = results_dir(directory)
+    folder.mkdir(parents=True, exist_ok=True)
     payload = {"benchmark": name, "machine": {"python": platform.python_version(), "jax": jax.__version__,
                                               "devices": [str(d) for d in jax.devices()],
                                               "processor": platform.processor() or platform.machine()},
                **payload}
-    path = RESULTS / f"{name}.json"
+    path = folder / f"{name}.json"
     path.write_text(json.dumps(payload, indent=2) + "\n")
-    print(json.dumps(payload, indent=2))
+    print(f"wrote {path}")
     return path

@@ -65,7 +65,12 @@ def nuts(model, y, warmup, samples, seed=0):
 
 def main(argv=None):
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--full", action="store_true", help="paper size: J in {2, 10}, long runs")
+    size = parser.add_mutually_exclusive_group()
+    size.add_argument("--quick", dest="full", action="store_false", default=False,
+                      help="small size (the default), a minute or two on 2 CPU cores: "
+                           "n = 500, p = 20, J = 2, short runs")
+    size.add_argument("--full", dest="full", action="store_true", default=False,
+                      help="paper size: J in {2, 10}, long runs")
     parser.add_argument("--plot", default="vfl_logistic.png", help="figure file ('' for none)")
     parser.add_argument("--smoke", action="store_true", help="tiny run for tests")
     args = parser.parse_args(argv)

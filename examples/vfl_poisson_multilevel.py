@@ -170,7 +170,11 @@ def grouseticks(args):
 
 def main(argv=None):
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--full", action="store_true", help="paper size (N = 2000, long runs)")
+    size = parser.add_mutually_exclusive_group()
+    size.add_argument("--quick", dest="full", action="store_false", default=False,
+                      help="small size (the default), a minute or two on 2 CPU cores: N = 500, short runs")
+    size.add_argument("--full", dest="full", action="store_true", default=False,
+                      help="paper size: N = 2000, long runs")
     parser.add_argument("--smoke", action="store_true", help="tiny run for tests")
     args = parser.parse_args(argv)
     synthetic(args)

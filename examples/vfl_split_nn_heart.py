@@ -88,7 +88,11 @@ def cross_validate(kind, rho=1.0, steps=STEPS, learning_rate=1e-2, num_folds=10,
 
 def main(argv=None):
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--full", action="store_true", help="50,000 iterations, rho in {1, 5, 10}")
+    size = parser.add_mutually_exclusive_group()
+    size.add_argument("--quick", dest="full", action="store_false", default=False,
+                      help="small size (the default), a minute or two on 2 CPU cores: 1,500 iterations, rho = 1")
+    size.add_argument("--full", dest="full", action="store_true", default=False,
+                      help="paper size: 50,000 iterations, rho in {1, 5, 10}")
     parser.add_argument("--verbose", action="store_true")
     parser.add_argument("--smoke", action="store_true", help="tiny run for tests")
     parser.add_argument("--hidden", default="4", help="client network widths, e.g. 8,2")

@@ -74,7 +74,12 @@ def run(epsilons, num_topics, num_documents, num_test, doc_length, batch_size, i
 
 def main(argv=None):
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--full", action="store_true", help="all documents, 20 topics, 5 budgets")
+    size = parser.add_mutually_exclusive_group()
+    size.add_argument("--quick", dest="full", action="store_false", default=False,
+                      help="small size (the default), a minute or two on 2 CPU cores: "
+                           "300 documents, 4 topics, epsilon 2")
+    size.add_argument("--full", dest="full", action="store_true", default=False,
+                      help="paper size: all documents, 20 topics, epsilon in {1, 2, 4, 8}")
     parser.add_argument("--topics", type=int, default=None)
     parser.add_argument("--documents", type=int, default=None, help="number of training documents")
     parser.add_argument("--iterations", type=int, default=None)

@@ -129,7 +129,11 @@ def evaluate(scores, y):
 
 def main(argv=None):
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--full", action="store_true", help="epsilon in {0.5, 1, 2, 4}, 5 seeds")
+    size = parser.add_mutually_exclusive_group()
+    size.add_argument("--quick", dest="full", action="store_false", default=False,
+                      help="small size (the default), a minute or two on 2 CPU cores: epsilon 1, 1 seed")
+    size.add_argument("--full", dest="full", action="store_true", default=False,
+                      help="paper size: epsilon in {0.5, 1, 2, 4}, 5 seeds")
     parser.add_argument("--no-dpsgd", action="store_true", help="skip the DP-SGD VI baseline")
     parser.add_argument("--paper-regime", action="store_true",
                         help="also run Figure 6's setting (rate 0.004, 100 steps, delta 1e-3, 3 seeds)")

@@ -59,7 +59,12 @@ def run(num_hidden, num_train, num_test, batch_sizes, noise_multiplier, clip, ep
 
 def main(argv=None):
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--full", action="store_true")
+    size = parser.add_mutually_exclusive_group()
+    size.add_argument("--quick", dest="full", action="store_false", default=False,
+                      help="small size (the default), a minute or two on 2 CPU cores: "
+                           "400 training images, K = 4, S = 200")
+    size.add_argument("--full", dest="full", action="store_true", default=False,
+                      help="paper size: 60,000 images, K = 50, S in {400, 800, 1600, 3200}")
     parser.add_argument("--hidden", type=int, default=None)
     parser.add_argument("--train", type=int, default=None, help="number of training images")
     parser.add_argument("--batch-size", type=int, nargs="*", default=None)

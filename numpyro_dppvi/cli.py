@@ -3,16 +3,28 @@
 ``dppvi demo``   fits logistic regression on the bundled UCI Adult data with 10 clients (balanced and
                  unbalanced splits) by PVI and the baselines (and the private methods that exist) and
                  prints test accuracy, mean test log-likelihood, communications, epsilon and wall time.
-``dppvi bench``  runs the speed harnesses in ``benchmarks/`` of a source checkout.
-``dppvi run X``  runs ``examples/X.py`` of a source checkout with the remaining arguments.
+``dppvi run X``  runs ``examples/X.py`` of a source checkout (``main(argv)`` with the remaining
+                 arguments); its exit status is the example's. ``dppvi run`` lists the experiments.
+``dppvi bench``  runs the speed harnesses in ``benchmarks/`` of a source checkout, prints a table of
+                 their key numbers and writes their JSON to ``runs/bench/`` (``--out DIR``), or to the
+                 tracked ``benchmarks/results/`` with ``--update-results``.
+
+Scripts whose name starts with ``_`` (``benchmarks/_common.py``) are helpers, never experiments or
+benchmarks.
 """
 
 from __future__ import annotations
 
 import argparse
+import ast
+import difflib
+import importlib.util
+import json
+import os
 import runpy
 import sys
 import time
+from contextlib import contextmanager
 from pathlib import Path
 
 SPLITS = {"balanced": (0.0, 0.0), "unbalanced": (0.7, -3.0)}
@@ -98,10 +110,14 @@ def demo(args) -> int:
     print(f"UCI Adult: {x.shape[0]} training rows, {x_test.shape[0]} test rows, {x.shape[1]} features; "
           f"10 clients; logistic regression with N(0, 1) priors; private methods at epsilon={args.epsilon}, "
           "delta=1e-5 (add/remove neighbours, Poisson sampling)\n")
+    methods = demo_methods(args.rounds, args.epsilon)
+    total = len(args.splits) * len(methods)
     for split in args.splits:
         rho, kappa = SPLITS[split]
         clients = partition((x, y), num_clients=10, rho=rho, kappa=kappa, labels=y, seed=0)
-        for name, fit in demo_methods(args.rounds, args.epsilon).items():
+        for name, fit in methods.items():
+            # the progress bars below are the library's (labelled "<method>/<schedule>" only): say whose they are
+            print(demo_header(len(rows) + 1, total, split, name), flush=True)
             start = time.perf_counter()
             result = fit(model, clients, (x_test, y_test), jax.random.key(args.seed))
             seconds = time.perf_counter() - start
@@ -115,45 +131,256 @@ def demo(args) -> int:
     return 0
 
 
-def _checkout_root() -> Path:
+def demo_header(index: int, total: int, split: str, method: str) -> str:
+    """The line printed before fit ``index`` of ``total`` of the demo, naming its split and method."""
+    rho, kappa = SPLITS[split]
+    return f"[{index}/{total}] {split} split (rho {rho:g}, kappa {kappa:g}): {method}"
+
+
+# --------------------------------------------------------------------------- scripts of a checkout
+
+BENCH_OUT_ENV = "NUMPYRO_DPPVI_BENCH_OUT"  # read by benchmarks/_common.py: where the JSON results go
+
+
+def checkout_root() -> Path | None:
+    """The source checkout holding this package (with ``examples/`` and ``benchmarks/``), else ``None``."""
     root = Path(__file__).resolve().parent.parent
-    if not (root / "examples").is_dir():
-        raise SystemExit("this command needs a source checkout of numpyro_dppvi (examples/ and benchmarks/)")
+    return root if (root / "examples").is_dir() and (root / "benchmarks").is_dir() else None
+
+
+def require_checkout(command: str) -> Path:
+    """:func:`checkout_root`, or exit naming ``dppvi <command>`` when the package is installed without one."""
+    root = checkout_root()
+    if root is None:
+        raise SystemExit(f"dppvi {command}: needs a source checkout of numpyro_dppvi (its examples/ and "
+                         "benchmarks/ folders); clone the repository and install it with `pip install -e .`")
     return root
 
 
-def main(argv=None) -> int:
-    parser = argparse.ArgumentParser(prog="dppvi", description="Differentially private federated Bayesian inference")
-    sub = parser.add_subparsers(dest="command", required=True)
-    p_demo = sub.add_parser("demo", help="logistic regression on Adult with 10 clients, all methods")
-    p_demo.add_argument("--rounds", type=int, default=10)
+def find_scripts(directory: Path) -> dict[str, Path]:
+    """``{name: path}`` of the scripts ``directory/*.py`` by name, helpers (names starting with ``_``) left out."""
+    if not directory.is_dir():
+        return {}
+    return {path.stem: path for path in sorted(directory.glob("*.py")) if not path.stem.startswith("_")}
+
+
+def script_summary(path: Path) -> str:
+    """First line of the module docstring of the script at ``path`` (read, not imported: no JAX start-up)."""
+    try:
+        docstring = ast.get_docstring(ast.parse(path.read_text(encoding="utf-8")))
+    except (OSError, SyntaxError, UnicodeDecodeError):
+        docstring = None
+    return docstring.strip().splitlines()[0] if docstring and docstring.strip() else "(no description)"
+
+
+def format_scripts(scripts: dict[str, Path]) -> str:
+    """One line per script: its name and :func:`script_summary`, aligned."""
+    if not scripts:
+        return "  (none found: this needs a source checkout of numpyro_dppvi)"
+    width = max(len(name) for name in scripts)
+    return "\n".join(f"  {name:<{width}}  {script_summary(path)}" for name, path in scripts.items())
+
+
+def unknown_name_message(command: str, kind: str, names, scripts: dict[str, Path]) -> str:
+    """Error text for ``dppvi <command>`` given unknown ``names``: the closest match and every valid name."""
+    names = list(names)
+    message = f"dppvi {command}: no {kind} named {', '.join(repr(n) for n in names)}"
+    close = difflib.get_close_matches(names[0], list(scripts), n=1)
+    if close:
+        message += f" (did you mean {close[0]!r}?)"
+    return f"{message}; available {kind}s:\n{format_scripts(scripts)}"
+
+
+@contextmanager
+def _script_context(argv0: str, argv, environ: dict | None = None):
+    """Set ``sys.argv`` (and environment variables) for a script run; restore them afterwards."""
+    saved_argv, saved_env = sys.argv, {key: os.environ.get(key) for key in (environ or {})}
+    sys.argv = [argv0, *argv]
+    os.environ.update(environ or {})
+    try:
+        yield
+    finally:
+        sys.argv = saved_argv
+        for key, value in saved_env.items():
+            if value is None:
+                os.environ.pop(key, None)
+            else:
+                os.environ[key] = value
+
+
+def main_status(result) -> int:
+    """Exit status of a script's ``main(...)`` result: an int is the status; ``None`` or anything else
+    (e.g. the rows or output folder an example returns) is success, 0."""
+    return result if isinstance(result, int) and not isinstance(result, bool) else 0
+
+
+def system_exit_status(code) -> int:
+    """Exit status of ``SystemExit(code)``, as Python gives it: ``None`` 0, an int itself, a message 1
+    (printed to stderr, as Python would)."""
+    if code is None:
+        return 0
+    if isinstance(code, int):
+        return code
+    print(code, file=sys.stderr)
+    return 1
+
+
+# --------------------------------------------------------------------------- dppvi run
+
+def run_experiment(name: str, script: Path, argv) -> int:
+    """Import the example ``script`` and call its ``main(argv)``; its exit status (:func:`main_status`).
+
+    A ``SystemExit`` raised by the example (argparse errors, ``--help``, "N fit(s) failed") gives its status.
+    """
+    spec = importlib.util.spec_from_file_location(f"dppvi_example_{name}", script)
+    module = importlib.util.module_from_spec(spec)
+    sys.modules[spec.name] = module  # dataclasses resolve annotations through sys.modules
+    with _script_context(f"dppvi run {name}", argv):
+        try:
+            spec.loader.exec_module(module)
+            if not callable(getattr(module, "main", None)):
+                raise SystemExit(f"dppvi run: examples/{script.name} has no main(argv) function")
+            return main_status(module.main(list(argv)))
+        except SystemExit as stop:
+            return system_exit_status(stop.code)
+        finally:
+            sys.modules.pop(spec.name, None)
+
+
+def run(args) -> int:
+    root = require_checkout("run")
+    examples = find_scripts(root / "examples")
+    if args.experiment is None:
+        print(f"usage: dppvi run EXPERIMENT [--quick | --full] [options]\n\nexperiments:\n{format_scripts(examples)}")
+        return 0
+    if args.experiment not in examples:
+        print(unknown_name_message("run", "experiment", [args.experiment], examples), file=sys.stderr)
+        return 2
+    return run_experiment(args.experiment, examples[args.experiment], args.rest)
+
+
+# --------------------------------------------------------------------------- dppvi bench
+
+def bench_output_dir(root: Path, out: Path | None = None, update_results: bool = False) -> Path:
+    """Where ``dppvi bench`` writes its JSON: the tracked ``benchmarks/results/`` only with
+    ``--update-results``; else ``--out``, else ``runs/bench/`` of the checkout (ignored by git)."""
+    if update_results:
+        return root / "benchmarks" / "results"
+    if out is not None:
+        return Path(out)
+    return root / "runs" / "bench"
+
+
+def run_benchmark(script: Path, out_dir: Path) -> int:
+    """Run the benchmark ``script`` as ``__main__`` with its JSON going to ``out_dir``; its exit status."""
+    with _script_context(str(script), [], {BENCH_OUT_ENV: str(out_dir)}):
+        try:
+            runpy.run_path(str(script), run_name="__main__")
+        except SystemExit as stop:
+            return system_exit_status(stop.code)
+    return 0
+
+
+def _numbers(payload, prefix=()):
+    """``(path, value)`` of the numbers and flags in a benchmark's JSON, lists (all timings) left out."""
+    if isinstance(payload, dict):
+        for key, value in payload.items():
+            yield from _numbers(value, (*prefix, str(key)))
+    elif isinstance(payload, (bool, int, float)):
+        yield " / ".join(prefix), payload
+
+
+def format_value(value) -> str:
+    """A number of a benchmark's JSON for the table: flags as yes/no, large numbers with thousands separators
+    (``189,500``), others to 4 significant digits."""
+    if isinstance(value, bool):
+        return "yes" if value else "no"
+    if isinstance(value, int) or abs(value) >= 1e4:
+        return f"{value:,.0f}"
+    return f"{value:.4g}"
+
+
+def bench_table(payload: dict) -> str:
+    """A readable table of a benchmark's JSON: its setting and target, then one row per number
+    (machine description and the lists of every timing left out; they stay in the JSON)."""
+    lines = [f"{key}: {payload[key]}" for key in ("setting", "target") if isinstance(payload.get(key), str)]
+    numbers = list(_numbers({k: v for k, v in payload.items() if k not in ("machine", "benchmark")}))
+    width = max([len(path) for path, _ in numbers] + [len("quantity")])
+    lines += [f"{'quantity':<{width}}  {'value':>12}", "-" * (width + 14)]
+    lines += [f"{path:<{width}}  {format_value(value):>12}" for path, value in numbers]
+    return "\n".join(lines)
+
+
+def bench(args) -> int:
+    root = require_checkout("bench")
+    benchmarks = find_scripts(root / "benchmarks")
+    unknown = [name for name in args.names if name not in benchmarks]
+    if unknown:
+        print(unknown_name_message("bench", "benchmark", unknown, benchmarks), file=sys.stderr)
+        return 2
+    out_dir = bench_output_dir(root, args.out, args.update_results)
+    for name in args.names or list(benchmarks):
+        print(f"== {name}: {script_summary(benchmarks[name])}", flush=True)
+        result = out_dir / f"{name}.json"
+        previous = result.stat().st_mtime_ns if result.exists() else None
+        status = run_benchmark(benchmarks[name], out_dir)
+        if status:
+            print(f"dppvi bench: benchmark {name!r} failed (exit status {status})", file=sys.stderr)
+            return status
+        if not result.exists() or result.stat().st_mtime_ns == previous:
+            print(f"dppvi bench: benchmark {name!r} wrote no results to {result}", file=sys.stderr)
+            return 1
+        print(bench_table(json.loads(result.read_text())))
+        print(f"(JSON: {result})\n")
+    return 0
+
+
+# --------------------------------------------------------------------------- the parser
+
+def build_parser(root: Path | None) -> argparse.ArgumentParser:
+    """The ``dppvi`` parser; the help of ``run`` and ``bench`` lists the scripts of the checkout ``root``."""
+    examples = find_scripts(root / "examples") if root else {}
+    benchmarks = find_scripts(root / "benchmarks") if root else {}
+    parser = argparse.ArgumentParser(
+        prog="dppvi", description="Differentially private federated Bayesian inference (numpyro_dppvi).")
+    sub = parser.add_subparsers(dest="command", required=True, metavar="COMMAND")
+    p_demo = sub.add_parser(
+        "demo", help="fit logistic regression on UCI Adult with 10 clients by every method; print a table",
+        description="Logistic regression on the bundled UCI Adult data, 10 clients, balanced and unbalanced "
+                    "splits: PVI, DP-PVI and the baselines; prints accuracy, log-likelihood, epsilon, time.")
+    p_demo.add_argument("--rounds", type=int, default=10, help="rounds of the non-private PVI fits (default 10)")
     p_demo.add_argument("--seed", type=int, default=0)
     p_demo.add_argument("--epsilon", type=float, default=1.0, help="budget of the private methods (delta 1e-5)")
     p_demo.add_argument("--splits", nargs="+", default=list(SPLITS), choices=list(SPLITS))
-    p_bench = sub.add_parser("bench", help="run the speed harnesses (benchmarks/*.py), JSON in benchmarks/results/")
-    p_bench.add_argument("names", nargs="*", help="benchmark names (default: all)")
-    p_run = sub.add_parser("run", help="run examples/<experiment>.py with the remaining arguments")
-    p_run.add_argument("experiment")
-    p_run.add_argument("rest", nargs=argparse.REMAINDER)
-    args = parser.parse_args(argv)
+    p_run = sub.add_parser(
+        "run", help="run an experiment of examples/ (the papers' experiments; `dppvi run` lists them)",
+        description="Run examples/EXPERIMENT.py of the source checkout with the remaining arguments.\n"
+                    "Every experiment takes --quick (the default: small, a few minutes at most on two CPU\n"
+                    "cores) or --full (the paper's size); `dppvi run EXPERIMENT --help` lists its\n"
+                    "other options. The exit status is non-zero when the experiment fails.",
+        epilog=f"experiments:\n{format_scripts(examples)}", formatter_class=argparse.RawDescriptionHelpFormatter)
+    p_run.add_argument("experiment", nargs="?", metavar="EXPERIMENT", help="name of the experiment (see below)")
+    p_run.add_argument("rest", nargs=argparse.REMAINDER, metavar="ARGS", help="its arguments, e.g. --full")
+    p_bench = sub.add_parser(
+        "bench", help="run the speed benchmarks of benchmarks/; print their numbers, JSON in runs/bench/",
+        description="Run the speed harnesses of benchmarks/ (default: all), print a table of their key\n"
+                    "numbers and write their JSON to runs/bench/ of the checkout (not tracked by git).",
+        epilog=f"benchmarks:\n{format_scripts(benchmarks)}", formatter_class=argparse.RawDescriptionHelpFormatter)
+    p_bench.add_argument("names", nargs="*", metavar="NAME", help="benchmarks to run (default: all)")
+    where = p_bench.add_mutually_exclusive_group()
+    where.add_argument("--out", type=Path, default=None, help="folder for the JSON results (default: runs/bench/)")
+    where.add_argument("--update-results", action="store_true",
+                       help="write to the tracked benchmarks/results/ instead (to commit new reference numbers)")
+    return parser
+
+
+def main(argv=None) -> int:
+    args = build_parser(checkout_root()).parse_args(argv)
     if args.command == "demo":
         return demo(args)
-    root = _checkout_root()
-    if args.command == "bench":
-        scripts = sorted((root / "benchmarks").glob("*.py"))
-        for script in scripts:
-            if not args.names or script.stem in args.names:
-                print(f"== {script.stem}")
-                sys.argv = [str(script)]
-                runpy.run_path(str(script), run_name="__main__")
-        return 0
-    script = root / "examples" / f"{args.experiment}.py"
-    if not script.exists():
-        available = sorted(p.stem for p in (root / "examples").glob("*.py"))
-        raise SystemExit(f"no example {args.experiment!r}; available: {available}")
-    sys.argv = [str(script), *args.rest]
-    runpy.run_path(str(script), run_name="__main__")
-    return 0
+    if args.command == "run":
+        return run(args)
+    return bench(args)
 
 
 if __name__ == "__main__":  # pragma: no cover

@@ -211,3 +211,60 @@ def test_privacy_plate_marker_is_honoured():
     model._dppvi_privacy_plate = "individuals"
     with pytest.raises(ValueError, match="privacy plate 'individuals' was requested"):
         detect_conjugate(model, Y_BIN)
+
+
+# ----------------------------------------------------------------------------- offset tolerance
+
+def logistic_plus(offset):
+    """``logits = x @ w + offset`` with ``offset`` a constant (not a latent site)."""
+    def model(x, y=None):
+        w = numpyro.sample("w", dist.Normal(0.0, 1.0).expand([x.shape[1]]).to_event(1))
+        with numpyro.plate("data", x.shape[0]):
+            numpyro.sample("y", dist.Bernoulli(logits=x @ w + offset), obs=y)
+    return model
+
+
+def logistic_plus_data_offset(x, offset, y=None):
+    w = numpyro.sample("w", dist.Normal(0.0, 1.0).expand([x.shape[1]]).to_event(1))
+    with numpyro.plate("data", x.shape[0]):
+        numpyro.sample("y", dist.Bernoulli(logits=x @ w + offset), obs=y)
+
+
+def test_wide_float32_design_of_varied_magnitude_is_accepted():
+    # 200 features whose scales span 1e-2 .. 1e2: the float32 rounding error of x @ w reaches ~2e-4,
+    # far above the old fixed atol of 1e-6, and must not be mistaken for an offset.
+    rng = np.random.default_rng(4)
+    x = (rng.normal(size=(300, 200)) * 10.0 ** rng.uniform(-2, 2, size=200)).astype(np.float32)
+    y = (rng.random(300) < 0.5).astype(np.float32)
+    det = detect_conjugate(logistic, x, y)
+    assert det.pattern == "logistic" and det.data[0].shape == (300, 200)
+    np.testing.assert_array_equal(np.asarray(det.data[0]), x)  # the design is the data, unchanged
+
+
+def test_uci_adult_is_accepted():
+    from numpyro_dppvi.datasets import load_adult
+
+    x, y, _, _ = load_adult(split="train_test")
+    det = detect_conjugate(logistic, x, y)
+    assert det.pattern == "logistic" and det.data[0].shape == x.shape
+
+
+@pytest.mark.parametrize("offset", [3.0, 1e-3, -1e-3])
+def test_constant_offsets_are_still_rejected(offset):
+    # logits of magnitude ~1 (3 features of sd 0.5, w ~ N(0, 1)); the rounding bound is ~1e-7 here
+    rng = np.random.default_rng(5)
+    x = (0.5 * rng.normal(size=(200, 3))).astype(np.float32)
+    y = (rng.random(200) < 0.5).astype(np.float32)
+    with pytest.raises(ValueError, match=r"site 'y': the logits have a constant part not multiplied by a latent"):
+        detect_conjugate(logistic_plus(offset), x, y)
+
+
+def test_per_row_offset_passed_as_data_is_rejected():
+    rng = np.random.default_rng(6)
+    x = (0.5 * rng.normal(size=(200, 3))).astype(np.float32)
+    b = np.zeros(200, np.float32)
+    b[17] = 1e-3  # one row only
+    y = (rng.random(200) < 0.5).astype(np.float32)
+    with pytest.raises(ValueError, match=r"site 'y': the logits have a constant part"):
+        detect_conjugate(logistic_plus_data_offset, x, b, y)
+    detect_conjugate(logistic_plus_data_offset, x, np.zeros(200, np.float32), y)  # no offset: accepted
