@@ -1,14 +1,27 @@
-"""Saving and loading fits: a pytree of arrays plus JSON metadata in one ``.npz`` file.
+"""Saving and loading: a pytree of arrays plus JSON metadata in one ``.npz`` file, never pickle.
 
-The file holds every leaf under its pytree path and a ``__meta__`` JSON record with a SHA-256 digest
-over all leaves (names, dtypes, shapes, bytes) and the metadata itself. Loading recomputes the digest:
-a truncated or edited file is refused with a clear error instead of being half-loaded. No pickle is
-used, so loading a file never runs code.
+The file holds every leaf under its pytree path and a ``__meta__`` JSON record with a digest over
+all leaves (names, dtypes, shapes, bytes) and the metadata itself. Loading recomputes it.
+
+* Without a key the digest is SHA-256: it detects a truncated or damaged file, **not tampering**
+  (anyone who edits a file can recompute a plain hash, e.g. to empty a ledger).
+* With ``hmac_key`` (bytes, kept by whoever must trust the file) the digest is HMAC-SHA256: a file
+  edited without the key is refused. A file saved with a key cannot be loaded without it, and a key
+  given for a file saved without one is refused (it cannot be authenticated).
+
+Loading never runs code: ``np.load(..., allow_pickle=False)`` and ``json``.
+
+Two kinds of files are written by the package: published results (``result.save``; only
+differentially private outputs, see docs/privacy.md "What a saved result holds") and **private
+checkpoints** (``fit_dppvi(checkpoint=...)``): the fit's whole state, including its secret key and
+every client's private state, for resuming. A private checkpoint is written with permissions 0600
+and its metadata says ``"private": true``; it must never be published.
 """
 
 from __future__ import annotations
 
 import hashlib
+import hmac
 import io
 import json
 import os
@@ -20,13 +33,21 @@ import numpy as np
 _META = "__meta__"
 
 
-def _digest(arrays: dict[str, np.ndarray], meta_json: str) -> str:
-    h = hashlib.sha256(meta_json.encode())
+def _digest(arrays: dict[str, np.ndarray], meta_json: str, hmac_key: bytes | None) -> str:
+    h = hashlib.sha256() if hmac_key is None else hmac.new(_check_key(hmac_key), digestmod=hashlib.sha256)
+    h.update(meta_json.encode())
     for name in sorted(arrays):
         a = np.ascontiguousarray(arrays[name])
         h.update(f"{name}|{a.dtype.str}|{a.shape}".encode())
         h.update(a.tobytes())
     return h.hexdigest()
+
+
+def _check_key(hmac_key) -> bytes:
+    if not isinstance(hmac_key, (bytes, bytearray)) or len(hmac_key) < 16:
+        raise TypeError("hmac_key must be bytes of length >= 16 (e.g. secrets.token_bytes(32)), kept secret by "
+                        "whoever needs to trust the file")
+    return bytes(hmac_key)
 
 
 def flatten(tree) -> dict[str, np.ndarray]:
@@ -54,22 +75,31 @@ def unflatten_like(template, arrays: dict[str, np.ndarray]):
     return jax.tree_util.tree_unflatten(treedef, out)
 
 
-def save(path, tree, meta: dict) -> None:
+def save(path, tree, meta: dict, hmac_key: bytes | None = None, private: bool = False) -> None:
+    """Write ``tree`` and ``meta`` to ``path`` atomically; ``private=True`` makes the file 0600."""
     arrays = flatten(tree)
     if _META in arrays:
         raise ValueError(f"{_META} is reserved")
+    meta = dict(meta, private=bool(private))
     meta_json = json.dumps(meta, sort_keys=True)
-    record = json.dumps({"meta": meta_json, "sha256": _digest(arrays, meta_json)})
+    field = "sha256" if hmac_key is None else "hmac_sha256"
+    record = json.dumps({"meta": meta_json, field: _digest(arrays, meta_json, hmac_key)})
     buffer = io.BytesIO()
     np.savez(buffer, **arrays, **{_META: np.frombuffer(record.encode(), np.uint8)})
     tmp = f"{os.fspath(path)}.tmp"
-    with open(tmp, "wb") as f:
+    fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o600 if private else 0o644)
+    with os.fdopen(fd, "wb") as f:
         f.write(buffer.getvalue())
+        f.flush()
+        os.fsync(f.fileno())
+    if private:
+        os.chmod(tmp, 0o600)
     os.replace(tmp, path)
 
 
-def load(path) -> tuple[dict[str, np.ndarray], dict]:
-    """Return ``(arrays, meta)``; raises ``ValueError`` for a corrupted, truncated or edited file."""
+def load(path, hmac_key: bytes | None = None) -> tuple[dict[str, np.ndarray], dict]:
+    """Return ``(arrays, meta)``; raises ``ValueError`` for a corrupted, truncated or edited file, or
+    one whose authentication does not match ``hmac_key`` (module docstring)."""
     try:
         with np.load(path, allow_pickle=False) as f:
             arrays = {k: f[k] for k in f.files}
@@ -79,7 +109,21 @@ def load(path) -> tuple[dict[str, np.ndarray], dict]:
         raise ValueError(f"{path} is not a readable numpyro_dppvi save file (truncated or corrupted): {exc}") from exc
     if _META not in arrays:
         raise ValueError(f"{path} is not a numpyro_dppvi save file (no metadata record)")
-    record = json.loads(arrays.pop(_META).tobytes().decode())
-    if _digest(arrays, record["meta"]) != record["sha256"]:
-        raise ValueError(f"{path} failed its checksum: the file was edited or damaged; refusing to load it")
-    return arrays, json.loads(record["meta"])
+    try:
+        record = json.loads(arrays.pop(_META).tobytes().decode())
+        meta_json = record["meta"]
+    except (ValueError, KeyError, UnicodeDecodeError) as exc:
+        raise ValueError(f"{path} has an unreadable metadata record (corrupted)") from exc
+    if "hmac_sha256" in record:
+        if hmac_key is None:
+            raise ValueError(f"{path} is authenticated with an HMAC key: pass hmac_key=... to load it")
+        if not hmac.compare_digest(_digest(arrays, meta_json, hmac_key), str(record["hmac_sha256"])):
+            raise ValueError(f"{path} failed its HMAC check: it was edited, or hmac_key is not the one it was "
+                             "saved with; refusing to load it")
+    else:
+        if hmac_key is not None:
+            raise ValueError(f"{path} was saved without an HMAC key, so it cannot be authenticated; "
+                             "load it without hmac_key (its checksum detects damage only)")
+        if _digest(arrays, meta_json, None) != record.get("sha256"):
+            raise ValueError(f"{path} failed its checksum: the file was edited or damaged; refusing to load it")
+    return arrays, json.loads(meta_json)

@@ -27,8 +27,10 @@ from .events import (
     merge_events,
     sensitivity,
 )
-from .ledger import PrivacyLedger
+from .ledger import NotPrivate, PrivacyLedger
 from .mechanisms import (
+    add_gaussian_noise,
+    add_symmetric_noise,
     aggregator_noise_share,
     aggregator_noise_shares,
     clip_per_example,
@@ -56,7 +58,8 @@ __all__ = [
     "BACKENDS", "epsilon_of_events", "calibrate_noise", "plan_epsilon",
     "Privacy",
     "NEIGHBOURING_RELATIONS", "SAMPLING_SCHEMES", "GaussianEvent", "merge_events", "sensitivity",
-    "PrivacyLedger",
+    "NotPrivate", "PrivacyLedger",
+    "add_gaussian_noise", "add_symmetric_noise",
     "aggregator_noise_share", "aggregator_noise_shares", "clip_per_example", "clip_update", "clipped_sum",
     "gaussian_noise_like", "per_example_norms", "project_psd", "symmetric_gaussian_noise",
     "tree_norm",

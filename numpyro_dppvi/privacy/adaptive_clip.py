@@ -34,6 +34,7 @@ import jax
 import jax.numpy as jnp
 
 from .events import GaussianEvent, check_neighbouring
+from .noise import add_gaussian_noise
 
 
 def _is_number(value) -> bool:
@@ -108,12 +109,14 @@ def adaptive_clip_events(
     rate: float,
     count: int = 1,
     overflow_probability: float = 0.0,
+    dimension: int = 2,
 ) -> list[GaussianEvent]:
-    """The events of ``count`` DP-SGD steps with adaptive clipping (one joint event per step)."""
+    """The events of ``count`` DP-SGD steps with adaptive clipping (one joint event per step;
+    ``dimension`` counts the gradient's noise coordinates plus the count's one)."""
     return [
         GaussianEvent(
             joint_noise_multiplier(gradient_noise_multiplier, count_noise_multiplier),
-            sampling, rate, count, overflow_probability,
+            sampling, rate, count, overflow_probability, dimension,
         )
     ]
 
@@ -151,8 +154,7 @@ def adaptive_clip_update(state: AdaptiveClipState, norms, mask, key) -> Adaptive
     """One private quantile step: noisy centred count of ``norms <= clip`` over the batch rows
     (``mask``), then the geometric update of the clip. ``norms`` are the *unclipped*
     per-example norms of the step's batch (as returned by ``clip_per_example``)."""
-    noisy = centred_count(norms, mask, state.clip) + state.count_noise_std * jax.random.normal(
-        key, (), jnp.float32)
+    noisy = add_gaussian_noise(key, centred_count(norms, mask, state.clip), state.count_noise_std)
     fraction_below = noisy / state.expected_batch_size + 0.5
     new_clip = state.clip * jnp.exp(-state.learning_rate * (fraction_below - state.target_quantile))
     return state._replace(clip=new_clip)

@@ -131,13 +131,14 @@ class Privacy:
         return event_noise_multiplier * self.sensitivity / self.clip
 
     def step_event(self, noise_multiplier: float, rate: float, count: int = 1,
-                   overflow_probability: float = 0.0) -> GaussianEvent:
+                   overflow_probability: float = 0.0, dimension: int = 1) -> GaussianEvent:
         """Event of ``count`` DP-SGD steps at user noise multiplier ``noise_multiplier`` and
-        sampling rate ``rate`` with this config's sampler. With adaptive clipping the noise
-        multiplier is the total of the joint (gradient, count) release."""
+        sampling rate ``rate`` with this config's sampler, each drawing ``dimension`` noise
+        coordinates. With adaptive clipping the noise multiplier is the total of the joint
+        (gradient, count) release."""
         sampling = self.sampling if rate < 1.0 else "none"
         return GaussianEvent(self.to_event(noise_multiplier), sampling, rate, count,
-                             overflow_probability if sampling == "poisson" else 0.0)
+                             overflow_probability if sampling == "poisson" else 0.0, dimension)
 
     # ------------------------------------------------------------------ noise of one step
     def split(self, noise_multiplier: float) -> tuple[float, float | None]:
@@ -213,7 +214,9 @@ class Privacy:
             )
         return np.array(self.epsilon_max, dtype=float)
 
-    def ledger(self, num_clients: int, trusted_aggregator: bool = False) -> PrivacyLedger:
-        """An empty ledger with this config's delta, relation and accountant."""
+    def ledger(self, num_clients: int, trusted_aggregator: bool = False, seed: str = "unspecified"
+               ) -> PrivacyLedger:
+        """An empty ledger with this config's delta, relation and accountant; ``seed`` says where the
+        noise seed came from (``"os_entropy"`` or ``"user_key"``)."""
         return PrivacyLedger(num_clients, self.delta, self.neighbouring, self.accountant,
-                             trusted_aggregator)
+                             trusted_aggregator, seed=seed)

@@ -74,6 +74,8 @@ class GaussianEvent:
       count: number of identical releases (steps), an int >= 1.
       overflow_probability: per-release probability that a padded Poisson batch overflowed its
         pad (see :mod:`numpyro_dppvi.privacy.sampling`); charged to delta by the ledger.
+      dimension: number of noise coordinates drawn per release; the ledger charges the noise
+        sampler's tail mass (:data:`numpyro_dppvi.privacy.noise.TAIL_MASS`) for each.
     """
 
     noise_multiplier: float
@@ -81,6 +83,7 @@ class GaussianEvent:
     rate: float = 1.0
     count: int = 1
     overflow_probability: float = 0.0
+    dimension: int = 1
 
     def __post_init__(self):
         set_ = object.__setattr__
@@ -109,11 +112,14 @@ class GaussianEvent:
         if float(p) > 0.0 and self.sampling != "poisson":
             raise ValueError("overflow_probability applies to sampling='poisson' only.")
         set_(self, "overflow_probability", float(p))
+        if isinstance(self.dimension, bool) or not isinstance(self.dimension, Integral) or self.dimension < 1:
+            raise ValueError(f"dimension must be an int >= 1 (noise coordinates per release), got {self.dimension!r}.")
+        set_(self, "dimension", int(self.dimension))
 
     @property
     def mechanism(self) -> tuple:
         """Everything but ``count``: events with equal ``mechanism`` merge by adding counts."""
-        return (self.noise_multiplier, self.sampling, self.rate, self.overflow_probability)
+        return (self.noise_multiplier, self.sampling, self.rate, self.overflow_probability, self.dimension)
 
     def with_count(self, count: int) -> "GaussianEvent":
         return replace(self, count=count)
@@ -128,12 +134,13 @@ class GaussianEvent:
             "rate": self.rate,
             "count": self.count,
             "overflow_probability": self.overflow_probability,
+            "dimension": self.dimension,
         }
 
     @classmethod
     def from_dict(cls, data: dict) -> "GaussianEvent":
         unknown = set(data) - {
-            "noise_multiplier", "sampling", "rate", "count", "overflow_probability"
+            "noise_multiplier", "sampling", "rate", "count", "overflow_probability", "dimension"
         }
         if unknown:
             raise ValueError(f"unknown GaussianEvent fields {sorted(unknown)}.")

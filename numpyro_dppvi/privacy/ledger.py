@@ -24,8 +24,18 @@ import numpy as np
 
 from . import backends
 from .events import GaussianEvent, check_neighbouring, merge_events
+from .noise import TAIL_MASS
 
-_FORMAT = "numpyro_dppvi.PrivacyLedger/1"
+_FORMAT = "numpyro_dppvi.PrivacyLedger/2"
+_OLD_FORMATS = ("numpyro_dppvi.PrivacyLedger/1",)
+#: Where the noise seed of a fit came from (recorded in the ledger and its report).
+SEED_KINDS = ("os_entropy", "user_key", "unspecified")
+_SEED_TEXT = {
+    "os_entropy": "noise seed drawn from the operating system's entropy (secrets); it is never saved",
+    "user_key": "noise seed from the user's rng_key: the guarantee holds only while that key stays "
+                "secret (anyone who knows it can recompute the noise)",
+    "unspecified": "noise seed not recorded",
+}
 
 
 class PrivacyLedger:
@@ -40,10 +50,14 @@ class PrivacyLedger:
         ``"autodp"`` (autodp RDP).
       trusted_aggregator: the events are those of aggregated releases (see module docstring).
 
+      seed: where the noise seed came from, one of :data:`SEED_KINDS` (reported).
+
     Delta accounting: client ``m`` is ``(epsilon_m, delta + extra_m)``-DP where
-    ``extra_m = (1 + e^{epsilon_m}) * sum_t p_t`` charges the padded Poisson sampler's overflow
-    probabilities ``p_t`` (see :mod:`numpyro_dppvi.privacy.sampling`); it is 0 without Poisson
-    padding and reported by :attr:`delta_per_client` and :meth:`report`.
+    ``extra_m = (1 + e^{epsilon_m}) * (sum_t p_t + k_m * TAIL_MASS)`` charges the padded Poisson
+    sampler's overflow probabilities ``p_t`` (see :mod:`numpyro_dppvi.privacy.sampling`) and the
+    noise sampler's tail mass for each of the ``k_m`` noise coordinates the client's releases drew
+    (:mod:`numpyro_dppvi.privacy.noise`; ``k_m = sum_events count * dimension``). Both come from the
+    same coupling argument; they are reported by :attr:`delta_per_client` and :meth:`report`.
     """
 
     def __init__(
@@ -53,6 +67,7 @@ class PrivacyLedger:
         neighbouring: str = "add_remove",
         accountant: str = "pld",
         trusted_aggregator: bool = False,
+        seed: str = "unspecified",
     ):
         if isinstance(num_clients, bool) or not isinstance(num_clients, Integral):
             raise TypeError(f"num_clients must be an int, got {type(num_clients).__name__}.")
@@ -65,6 +80,9 @@ class PrivacyLedger:
         self._neighbouring = check_neighbouring(neighbouring)
         self._accountant = backends.check_backend(accountant)
         self._trusted_aggregator = trusted_aggregator
+        if seed not in SEED_KINDS:
+            raise ValueError(f"seed={seed!r} is not known; use one of {SEED_KINDS}.")
+        self._seed = seed
         self._events: list[dict[tuple, GaussianEvent]] = [{} for _ in range(self._num_clients)]
         self._stopped: dict[int, dict] = {}
         self._epsilon_cache: dict[tuple, float] = {}
@@ -90,6 +108,11 @@ class PrivacyLedger:
     @property
     def trusted_aggregator(self) -> bool:
         return self._trusted_aggregator
+
+    @property
+    def seed(self) -> str:
+        """Where the noise seed came from: ``"os_entropy"``, ``"user_key"`` or ``"unspecified"``."""
+        return self._seed
 
     # ------------------------------------------------------------------ recording
     def _check_client(self, client) -> int:
@@ -179,16 +202,18 @@ class PrivacyLedger:
         backends.check_supported(events, self._neighbouring, self._accountant)
         return self._epsilon_of(events)
 
-    def _overflow_mass(self, client: int) -> float:
-        return math.fsum(e.count * e.overflow_probability for e in self.events(client))
+    def _extra_mass(self, client: int) -> float:
+        """``sum_t p_t + k_m TAIL_MASS``: Poisson-pad overflow and noise-sampler tail probabilities."""
+        return math.fsum(e.count * (e.overflow_probability + e.dimension * TAIL_MASS)
+                         for e in self.events(client))
 
     @property
     def delta_per_client(self) -> np.ndarray:
-        """Total delta of each client: ``delta + (1 + e^{epsilon_m}) * sum_t p_t``."""
+        """Total delta of each client: ``delta + (1 + e^{epsilon_m}) (sum_t p_t + k_m TAIL_MASS)``."""
         eps = self.epsilon_per_client
         out = np.full(self._num_clients, self._delta)
         for m in range(self._num_clients):
-            mass = self._overflow_mass(m)
+            mass = self._extra_mass(m)
             if mass > 0.0:
                 out[m] += (1.0 + math.exp(min(eps[m], 700.0))) * mass
         return out
@@ -211,6 +236,7 @@ class PrivacyLedger:
             f"Privacy ledger: neighbouring={self._neighbouring}, accountant={self._accountant}, "
             f"target delta={self._delta:.3g}",
             f"Guarantee: {guarantee}",
+            f"Noise: {_SEED_TEXT[self._seed]}",
             f"{'client':>6} {'releases':>9} {'epsilon':>10} {'delta':>11}  events / status",
         ]
         for m in range(self._num_clients):
@@ -236,7 +262,7 @@ class PrivacyLedger:
         return (
             f"PrivacyLedger(num_clients={self._num_clients}, delta={self._delta}, "
             f"neighbouring={self._neighbouring!r}, accountant={self._accountant!r}, "
-            f"trusted_aggregator={self._trusted_aggregator})"
+            f"trusted_aggregator={self._trusted_aggregator}, seed={self._seed!r})"
         )
 
     # ------------------------------------------------------------------ persistence
@@ -249,17 +275,18 @@ class PrivacyLedger:
             "neighbouring": self._neighbouring,
             "accountant": self._accountant,
             "trusted_aggregator": self._trusted_aggregator,
+            "seed": self._seed,
             "events": [[e.to_dict() for e in self.events(m)] for m in range(self._num_clients)],
             "stopped": [{"client": m, **info} for m, info in sorted(self._stopped.items())],
         }
 
     @classmethod
     def from_dict(cls, data: dict) -> "PrivacyLedger":
-        if not isinstance(data, dict) or data.get("format") != _FORMAT:
+        if not isinstance(data, dict) or data.get("format") not in (_FORMAT,) + _OLD_FORMATS:
             raise ValueError(f"not a serialised PrivacyLedger (expected format {_FORMAT!r}).")
         ledger = cls(
             data["num_clients"], data["delta"], data["neighbouring"], data["accountant"],
-            data["trusted_aggregator"],
+            data["trusted_aggregator"], seed=data.get("seed", "unspecified"),
         )
         if len(data["events"]) != ledger.num_clients:
             raise ValueError("serialised ledger has a wrong number of event lists.")
@@ -278,10 +305,30 @@ class PrivacyLedger:
     def _state_key(self):
         return (
             self._num_clients, self._delta, self._neighbouring, self._accountant,
-            self._trusted_aggregator,
+            self._trusted_aggregator, self._seed,
             tuple(frozenset(e.mechanism + (e.count,) for e in self.events(m))
                   for m in range(self._num_clients)),
             tuple(sorted((m, info["reason"], info["round"]) for m, info in self._stopped.items())),
         )
 
     __hash__ = None
+
+
+class NotPrivate:
+    """The ``privacy`` of a fit that is not differentially private: says so instead of being ``None``."""
+
+    epsilon = math.inf
+    delta = 1.0
+
+    def __init__(self, reason: str = "no privacy was requested (privacy=None)"):
+        self.reason = str(reason)
+
+    def report(self) -> str:
+        return ("This fit is NOT differentially private: " + self.reason + ". Its posterior, history and "
+                "saved files may reveal any record of the data; pass privacy=Privacy(...) for a guarantee.")
+
+    def __bool__(self) -> bool:
+        return False
+
+    def __repr__(self) -> str:
+        return f"NotPrivate({self.reason!r})"

@@ -3,15 +3,26 @@ and trusted-aggregator noise shares.
 
 All functions are pure and ``jit``/``vmap`` friendly. Each states the sensitivity that the caller
 must put (through :func:`~numpyro_dppvi.privacy.events.sensitivity`) into the event it records.
+Noise comes from the float64 sampler of :mod:`~numpyro_dppvi.privacy.noise`, never from
+``jax.random.normal``.
+
+Non-finite inputs: a per-example term (or a whole update) with a NaN or inf entry is zeroed before
+it is clipped. It then contributes nothing, which is within the sensitivity bound, so one record
+can never make a release non-finite and thereby decide an unnoised bit (e.g. "this client's
+update was dropped").
 """
 
 from __future__ import annotations
 
+import functools
 import math
 from numbers import Real
 
 import jax
 import jax.numpy as jnp
+
+from . import noise
+from .noise import add_gaussian_noise  # noqa: F401  (re-exported: the release primitive)
 
 
 def _check_positive(name, value):
@@ -27,9 +38,7 @@ def _check_nonnegative(name, value):
             raise ValueError(f"{name} must be a finite number >= 0, got {value}.")
 
 
-def per_example_norms(tree) -> jax.Array:
-    """Joint L2 norm per example, ``||g_i|| = sqrt(sum_leaves sum_j g_{i,leaf,j}^2)``, for a
-    pytree whose leaves share a leading example axis."""
+def _check_leading_axis(tree):
     leaves = jax.tree_util.tree_leaves(tree)
     if not leaves:
         raise ValueError("the pytree has no leaves.")
@@ -39,10 +48,32 @@ def per_example_norms(tree) -> jax.Array:
             "every leaf needs the same leading example axis; got leading sizes "
             f"{sorted(str(s) for s in sizes)}."
         )
-    squares = sum(
-        jnp.sum(jnp.reshape(leaf, (leaf.shape[0], -1)) ** 2, axis=1) for leaf in leaves
+    return leaves
+
+
+def _expand(flags, leaf):
+    return jnp.reshape(flags, (-1,) + (1,) * (leaf.ndim - 1))
+
+
+def finite_rows(tree) -> jax.Array:
+    """``[B]`` bool: every entry of example ``i``, in every leaf, is finite."""
+    leaves = _check_leading_axis(tree)
+    return functools.reduce(
+        jnp.logical_and,
+        [jnp.all(jnp.isfinite(jnp.reshape(leaf, (leaf.shape[0], -1))), axis=1) for leaf in leaves],
     )
-    return _safe_sqrt(squares)
+
+
+def per_example_norms(tree) -> jax.Array:
+    """Joint L2 norm per example, ``||g_i|| = sqrt(sum_leaves sum_j g_{i,leaf,j}^2)``, for a
+    pytree whose leaves share a leading example axis; ``inf`` for a row with a non-finite entry."""
+    leaves = _check_leading_axis(tree)
+    finite = finite_rows(tree)
+    squares = sum(
+        jnp.sum(jnp.reshape(jnp.where(_expand(finite, leaf), leaf, 0.0), (leaf.shape[0], -1)) ** 2, axis=1)
+        for leaf in leaves
+    )
+    return jnp.where(finite, _safe_sqrt(squares), jnp.inf)
 
 
 def _safe_sqrt(squares):
@@ -52,28 +83,30 @@ def _safe_sqrt(squares):
 
 
 def _scale_factor(norm, clip):
-    # min(1, C / ||g||); written so that a zero norm gives factor 1 and no NaN gradient
+    # min(1, C / ||g||); a zero norm gives factor 1 and no NaN gradient; an infinite norm gives 0
     return jnp.minimum(1.0, clip / jnp.maximum(norm, jnp.finfo(jnp.result_type(norm)).tiny))
 
 
 def clip_per_example(tree, clip):
     """Clip each example's pytree slice jointly to L2 norm ``clip``:
-    ``g_i <- g_i * min(1, C / ||g_i||)``.
+    ``g_i <- g_i * min(1, C / ||g_i||)``; a row with a non-finite entry becomes zero.
 
-    Sensitivity: every clipped term has norm ``<= C``, so ``sum_i clip(g_i)`` moves by at most
-    ``C`` when one record is added or removed and ``2C`` when one is replaced
-    (``sensitivity(C, relation, "sum_of_records")``). Masked (padding) examples must be zeroed
-    by the caller before summing.
+    Sensitivity: every clipped term has norm ``<= C`` (a zeroed row has norm 0), so
+    ``sum_i clip(g_i)`` moves by at most ``C`` when one record is added or removed and ``2C`` when
+    one is replaced (``sensitivity(C, relation, "sum_of_records")``). Masked (padding) examples must
+    be zeroed by the caller before summing.
 
     Returns:
-      ``(clipped_tree, norms)`` with ``norms`` the pre-clipping per-example norms ``[B]``.
+      ``(clipped_tree, norms)`` with ``norms`` the pre-clipping per-example norms ``[B]``
+      (``inf`` for a non-finite row).
     """
     _check_positive("clip", clip)
     norms = per_example_norms(tree)
-    factor = _scale_factor(norms, clip)
+    keep = jnp.isfinite(norms)
+    factor = jnp.where(keep, _scale_factor(norms, clip), 0.0)
 
     def scale(leaf):
-        return leaf * jnp.reshape(factor, (-1,) + (1,) * (leaf.ndim - 1)).astype(leaf.dtype)
+        return jnp.where(_expand(keep, leaf), leaf, 0.0) * _expand(factor, leaf).astype(leaf.dtype)
 
     return jax.tree_util.tree_map(scale, tree), norms
 
@@ -85,23 +118,22 @@ def clipped_sum(tree, clip, mask=None):
     as one weighted sum ``w^T g`` per leaf with ``w_i = mask_i min(1, C / ||g_i||)`` (a dot
     product instead of materialising the clipped rows; 2x faster in the DP step).
 
-    Sensitivity: every kept term has norm ``<= C``; a row outside the mask contributes nothing
-    (it is zeroed before the sum, so even a non-finite padding row cannot leak into it).
+    Sensitivity: every kept term has norm ``<= C``; a row outside the mask, or with a non-finite
+    entry, contributes nothing (it is zeroed before the sum, so it cannot make the sum NaN).
     Adding or removing one record therefore moves the sum by at most ``C`` and replacing one by
     at most ``2C`` (``sensitivity(C, relation, "sum_of_records")``).
 
     Returns:
-      ``(summed_tree, norms)`` with ``norms`` the pre-clipping per-example norms ``[B]``.
+      ``(summed_tree, norms)`` with ``norms`` the pre-clipping per-example norms ``[B]``
+      (``inf`` for a non-finite row).
     """
     _check_positive("clip", clip)
     norms = per_example_norms(tree)
-    weight = _scale_factor(norms, clip)
-    if mask is not None:
-        weight = jnp.where(mask, weight, 0.0)
+    keep = jnp.isfinite(norms) if mask is None else (jnp.isfinite(norms) & mask)
+    weight = jnp.where(keep, _scale_factor(norms, clip), 0.0)
 
     def weighted_sum(leaf):
-        if mask is not None:
-            leaf = jnp.where(jnp.reshape(mask, (-1,) + (1,) * (leaf.ndim - 1)), leaf, 0.0)
+        leaf = jnp.where(_expand(keep, leaf), leaf, 0.0)
         return jnp.tensordot(weight.astype(leaf.dtype), leaf, axes=1)
 
     return jax.tree_util.tree_map(weighted_sum, tree), norms
@@ -114,64 +146,76 @@ def tree_norm(tree) -> jax.Array:
 
 
 def clip_update(tree, clip):
-    """Clip a whole update (e.g. a change of natural parameters) jointly to L2 norm ``clip``.
+    """Clip a whole update (e.g. a change of natural parameters) jointly to L2 norm ``clip``; an
+    update with a non-finite entry becomes zero.
 
-    Sensitivity: a clipped update computed from a fixed shard has norm ``<= C``; changing one
-    record of the shard can change the whole update, so the released sum over shards moves by
-    at most ``2C`` under either relation (``sensitivity(C, relation, "shard_update")``, DP-PVI
-    eqs. A.18-A.19).
+    Sensitivity: a clipped update has norm ``<= C`` whatever its input; the relation and the shard
+    layout it is released under give the sensitivity of the released sum
+    (``sensitivity(C, relation, kind)``; see :mod:`numpyro_dppvi.pvi.update_perturbation`).
 
     Returns:
-      ``(clipped_tree, norm)`` with the pre-clipping norm.
+      ``(clipped_tree, norm)`` with the pre-clipping norm (``inf`` if non-finite).
     """
     _check_positive("clip", clip)
-    norm = tree_norm(tree)
-    factor = _scale_factor(norm, clip)
-    return jax.tree_util.tree_map(lambda leaf: leaf * factor.astype(leaf.dtype), tree), norm
+    leaves = jax.tree_util.tree_leaves(tree)
+    finite = functools.reduce(jnp.logical_and, [jnp.all(jnp.isfinite(leaf)) for leaf in leaves])
+    zeroed = jax.tree_util.tree_map(lambda leaf: jnp.where(finite, leaf, 0.0), tree)
+    norm = tree_norm(zeroed)
+    factor = jnp.where(finite, _scale_factor(norm, clip), 0.0)
+    clipped = jax.tree_util.tree_map(lambda leaf: leaf * factor.astype(leaf.dtype), zeroed)
+    return clipped, jnp.where(finite, norm, jnp.inf)
 
 
 def gaussian_noise_like(key, tree, std):
-    """Independent ``N(0, std^2)`` noise shaped like ``tree`` (one sub-key per leaf).
+    """Independent ``N(0, std^2)`` noise shaped like ``tree`` (one sub-key per leaf), from the
+    float64 sampler of :mod:`~numpyro_dppvi.privacy.noise`, rounded to each leaf's dtype.
 
-    Adding it to a sum with L2 sensitivity ``Delta`` is the Gaussian mechanism with noise
-    multiplier ``std / Delta`` (the ``noise_multiplier`` of the event to record).
+    A release should use :func:`add_gaussian_noise`, which adds the noise before rounding. Adding
+    noise of std ``std`` to a sum with L2 sensitivity ``Delta`` is the Gaussian mechanism with
+    noise multiplier ``std / Delta`` (the ``noise_multiplier`` of the event to record).
     """
     _check_nonnegative("std", std)
-    leaves, treedef = jax.tree_util.tree_flatten(tree)
-    keys = jax.random.split(key, len(leaves))
-    noise = [
-        std * jax.random.normal(k, jnp.shape(leaf), dtype=jnp.result_type(leaf, jnp.float32))
-        for k, leaf in zip(keys, leaves)
-    ]
-    return jax.tree_util.tree_unflatten(treedef, noise)
+    return noise.gaussian_like(key, tree, std)
 
 
-def symmetric_gaussian_noise(key, dim: int, std, dtype=jnp.float32):
-    """Symmetric ``dim x dim`` noise: upper triangle (with diagonal) iid ``N(0, std^2)``, mirrored
-    (Analyze Gauss, Dwork, Talwar, Thakurta, Zhang 2014).
+def add_symmetric_noise(key, matrix, std):
+    """Release ``A + E`` for a symmetric statistic ``A = sum_i x_i x_i^T`` (VIPS second moments):
+    ``E`` has its upper triangle (with the diagonal) iid ``N(0, std^2)`` and is mirrored (Analyze
+    Gauss, Dwork, Talwar, Thakurta, Zhang 2014); the noisy upper triangle is formed in float64 and
+    rounded once (:mod:`~numpyro_dppvi.privacy.noise`). ``matrix`` is ``[..., d, d]``; leading
+    axes get independent noise.
 
-    Release ``A + E`` for a symmetric statistic ``A = sum_i x_i x_i^T`` (VIPS second moments).
     Sensitivity: the independent entries are the upper triangle, whose L2 norm is at most the
     Frobenius norm of the change. With ``||x_i|| <= B`` a record changes ``A`` by ``x x^T``
     (add/remove: ``||x x^T||_F = ||x||^2 <= B^2``) or ``x x^T - y y^T`` (substitute:
     ``||.||_F^2 = ||x||^4 + ||y||^4 - 2 (x.y)^2 <= 2 B^4``, so ``<= sqrt(2) B^2``). The noise
-    multiplier is ``std`` over that bound.
+    multiplier is ``std`` over that bound; each matrix has ``d (d + 1) / 2`` noise coordinates.
     """
+    matrix = jnp.asarray(matrix)
+    if matrix.ndim < 2 or matrix.shape[-1] != matrix.shape[-2] or matrix.shape[-1] < 1:
+        raise ValueError(f"add_symmetric_noise needs square matrices, got shape {matrix.shape}.")
+    _check_nonnegative("std", std)
+    noisy_upper = jnp.triu(add_gaussian_noise(key, jnp.triu(matrix), std))
+    return noisy_upper + jnp.swapaxes(jnp.triu(noisy_upper, k=1), -1, -2)
+
+
+def symmetric_gaussian_noise(key, dim: int, std, dtype=jnp.float32):
+    """Symmetric ``dim x dim`` noise alone (upper triangle iid ``N(0, std^2)``, mirrored); a
+    release should use :func:`add_symmetric_noise`."""
     if not isinstance(dim, int) or isinstance(dim, bool) or dim < 1:
         raise ValueError(f"dim must be a positive int, got {dim!r}.")
-    _check_nonnegative("std", std)
-    z = std * jax.random.normal(key, (dim, dim), dtype=dtype)
-    upper = jnp.triu(z)
-    return upper + jnp.triu(z, k=1).T
+    return add_symmetric_noise(key, jnp.zeros((dim, dim), dtype), std)
 
 
 def project_psd(matrix, floor):
     """Nearest-in-spectrum symmetric matrix with eigenvalues ``>= floor``:
     ``V diag(max(lambda, floor)) V^T`` for ``(M + M^T)/2 = V diag(lambda) V^T``.
 
-    Post-processing of a noisy release (no privacy cost). ``floor = 0`` gives the Frobenius
-    projection onto the PSD cone; a small positive floor keeps the matrix invertible (VIPS sets
-    negative eigenvalues of the noisy second moment to a small positive value).
+    Post-processing of a noisy release (no privacy cost) — of the complete release: with a trusted
+    aggregator it must be applied to the aggregated sum, never to a single under-noised share.
+    ``floor = 0`` gives the Frobenius projection onto the PSD cone; a small positive floor keeps
+    the matrix invertible (VIPS sets negative eigenvalues of the noisy second moment to a small
+    positive value).
     """
     _check_nonnegative("floor", floor)
     matrix = jnp.asarray(matrix)
@@ -188,7 +232,9 @@ def aggregator_noise_share(std, num_clients: int):
     independent shares has std ``std`` (DP-PVI Theorems A.10, A.13).
 
     Sensitivity: unchanged, the aggregated sum carries noise ``std`` and is accounted as one
-    release of noise multiplier ``std / Delta``; a single share alone gives no such guarantee.
+    release of noise multiplier ``std / Delta``; a single share alone gives no such guarantee, so
+    every decision (invalid-update rules, projections) must be taken on the aggregate, and a
+    client's share must never be dropped after it was drawn.
     """
     if not isinstance(num_clients, int) or isinstance(num_clients, bool) or num_clients < 1:
         raise ValueError(f"num_clients must be a positive int, got {num_clients!r}.")
