@@ -132,7 +132,8 @@ def fit_method(method: str, setting: Setting, model, clients, eval_data, epsilon
                                    optimizer=optax.adam(1e-2), rng_key=key, eval_data=eval_data,
                                    privacy=Privacy(epsilon=epsilon, delta=DELTA, clip=2.0))
     common = dict(privacy=privacy, rounds=setting.rounds, local_steps=setting.local_steps,
-                  optimizer=_optimizer(setting), damping=setting.damping, rng_key=key, eval_data=eval_data)
+                  optimizer=_optimizer(setting), damping=setting.damping, rng_key=key, eval_data=eval_data,
+                  track_epsilon=True)
     if method == "dp_optimisation":
         return dppvi.fit_dppvi(model, clients, method="dp_optimisation", schedule="sequential",
                                batch_size=setting.batch_size, **common)
@@ -141,7 +142,8 @@ def fit_method(method: str, setting: Setting, model, clients, eval_data, epsilon
     return dppvi.fit_dppvi(
         model, clients, method="virtual_clients" if method.startswith("virtual") else "local_averaging",
         schedule="synchronous" if trusted else "sequential", trusted_aggregator=trusted,
-        shards=lambda n: max(n // rows, 1), invalid="floor", precision_floor=setting.precision_floor, **common)
+        shards="rows" if rows == 1 else (lambda n: max(n // rows, 1)), invalid="floor",
+        precision_floor=setting.precision_floor, **common)
 
 
 def history_rows(figure: int, split: str, method: str, seed: int, result) -> list[dict]:

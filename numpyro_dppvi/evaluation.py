@@ -24,9 +24,14 @@ def _log_predictive(log_lik_rows, q, arrays, key, num_samples):
     return jax.scipy.special.logsumexp(ll, axis=0) - jnp.log(num_samples)
 
 
+def log_predictive_density(adapter, q, arrays, key, num_samples: int = 100) -> np.ndarray:
+    """Per-row ``log (1/S) sum_s p(x_i | theta_s)``, ``theta_s = T(u_s)``, ``u_s ~ q``: ``[n]``."""
+    return np.asarray(_log_predictive(adapter.log_lik_rows, q, tuple(arrays), key, int(num_samples)))
+
+
 def evaluate(adapter, q, arrays, key, num_samples: int = 100) -> dict:
     """``{"log_lik": mean log predictive density, "accuracy": ... (Bernoulli models)}`` on ``arrays``."""
-    lpd = np.asarray(_log_predictive(adapter.log_lik_rows, q, tuple(arrays), key, num_samples))
+    lpd = log_predictive_density(adapter, q, arrays, key, num_samples)
     out = {"log_lik": float(np.mean(lpd))}
     if adapter.bernoulli_observed:
         out["accuracy"] = float(np.mean(lpd > np.log(0.5)))

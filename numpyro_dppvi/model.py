@@ -123,6 +123,13 @@ class ModelAdapter:
         self._classify(tr2, tr3)
         self.example_row = tuple(a[:1] for a in arrays)
 
+    @classmethod
+    def for_shapes(cls, model_fn: Callable, row_shapes, dtypes) -> "ModelAdapter":
+        """An adapter traced on zeros shaped like the data (``row_shapes`` without the leading axis):
+        for a saved result, which stores no data rows."""
+        example = tuple(np.zeros((3, *shape), dtype) for shape, dtype in zip(row_shapes, dtypes))
+        return cls(model_fn, example)
+
     # -- tracing -------------------------------------------------------------------------------
     def _trace(self, arrays, seed):
         try:

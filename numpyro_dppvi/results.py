@@ -1,7 +1,13 @@
-"""Results of a (DP-)PVI fit: posterior per site, samples, ArviZ output, prediction, history, saving.
+"""Results of a fit: the posterior, draws, ArviZ output, prediction, the history, and publishing.
 
-The posterior is the mean-field Gaussian ``q(u) = N(mu, diag(s^2))`` on the flat unconstrained
-vector; constrained samples are ``T(u)`` with ``T = biject_to(site.support)``.
+A result holds **only what may be published** (docs/privacy.md, "What a saved result holds"): the
+posterior ``q``, the privacy ledger, data-independent settings, and a history of values that are
+themselves accounted or computed from released values. Keys, client factors, per-shard and
+optimiser states, clip counts and the client sample live only in the fit's private checkpoint
+(``fit_dppvi(checkpoint=...)``), which is for resuming and must never be published.
+
+For (DP-)PVI the posterior is the mean-field Gaussian ``q(u) = N(mu, diag(s^2))`` on the flat
+unconstrained vector; constrained samples are ``T(u)`` with ``T = biject_to(site.support)``.
 """
 
 from __future__ import annotations
@@ -12,31 +18,41 @@ import jax
 import numpy as np
 
 from . import checkpoint, factors
-from .evaluation import evaluate
+from .evaluation import evaluate, log_predictive_density
 from .model import ModelAdapter
+from .privacy.ledger import NotPrivate, PrivacyLedger
+
+RESULT_FORMAT = "numpyro_dppvi.DPPVIResult/2"
 
 
 class DPPVIResult:
     """What ``fit_dppvi`` / ``fit_global_vi`` / ``fit_bcm`` return.
 
-    Attributes: ``state`` (the driver's state pytree), ``history`` (one dict per round: round,
-    communications, participation, seconds, held-out metrics), ``privacy`` (the privacy ledger,
-    ``None`` for non-private fits), ``method``, ``schedule``.
+    Attributes: ``q`` (the posterior, natural parameters), ``history`` (one dict per round: round,
+    communications, participation, seconds, held-out metrics, counts of invalid or failed updates),
+    ``privacy`` (the :class:`~numpyro_dppvi.privacy.PrivacyLedger`, or
+    :class:`~numpyro_dppvi.privacy.NotPrivate`), ``method``, ``schedule``, ``config`` (the
+    data-independent settings), ``rounds`` (rounds completed).
     """
 
-    def __init__(self, adapter: ModelAdapter, state, history: list, method: str, schedule: str | None,
-                 privacy=None, config: dict | None = None):
+    def __init__(self, adapter: ModelAdapter, q: factors.Gaussian, history: list, method: str,
+                 schedule: str | None, privacy=None, config: dict | None = None, rounds: int = 0):
         self.adapter = adapter
-        self.state = state
+        self.q = factors.Gaussian(*(np.asarray(x) for x in q))
         self.history = history
         self.method = method
         self.schedule = schedule
-        self.privacy = privacy
+        self.privacy = NotPrivate() if privacy is None else privacy
         self.config = dict(config or {})
+        self.rounds = int(rounds)
 
     @property
-    def q(self) -> factors.Gaussian:
-        return self.state.q
+    def model(self):
+        return self.adapter.model
+
+    @property
+    def is_private(self) -> bool:
+        return isinstance(self.privacy, PrivacyLedger)
 
     @property
     def posterior(self) -> dict:
@@ -46,11 +62,14 @@ class DPPVIResult:
         return {s.name: {"loc": np.asarray(locs[s.name]), "scale": np.asarray(scales[s.name])}
                 for s in self.adapter.sites}
 
-    def sample(self, num_samples: int, rng_key=None) -> dict:
-        """Constrained posterior samples ``{site: [num_samples, *shape]}``."""
-        rng_key = jax.random.key(1) if rng_key is None else rng_key
+    def _draws(self, num_samples: int, rng_key):
         loc, scale = factors.to_loc_scale(self.q)
-        u = loc + scale * jax.random.normal(rng_key, (int(num_samples),) + loc.shape)
+        return loc + scale * jax.random.normal(rng_key, (int(num_samples),) + loc.shape)
+
+    def sample(self, num_samples: int = 1000, rng_key=None) -> dict:
+        """Constrained posterior samples ``{site: [num_samples, *shape]}`` (post-processing of ``q``)."""
+        rng_key = jax.random.key(1) if rng_key is None else rng_key
+        u = self._draws(num_samples, rng_key)
         return {k: np.asarray(v) for k, v in jax.vmap(self.adapter.constrain)(u).items()}
 
     def predict(self, *data, num_samples: int = 1000, rng_key=None, return_sites: Sequence[str] | None = None) -> dict:
@@ -66,6 +85,12 @@ class DPPVIResult:
         predictive = Predictive(self.adapter.model, posterior_samples=samples,
                                 return_sites=list(return_sites) if return_sites else list(self.adapter.observed))
         return {k: np.asarray(v) for k, v in predictive(k_pred, *data).items()}
+
+    def log_predictive_density(self, *data, num_samples: int = 100, rng_key=None) -> np.ndarray:
+        """Per-row log predictive density ``log (1/S) sum_s p(x_i | theta_s)``, ``[n]``."""
+        arrays = self.adapter.validate_data(data, "evaluation data")
+        return log_predictive_density(self.adapter, self.q, arrays,
+                                      jax.random.key(3) if rng_key is None else rng_key, num_samples)
 
     def evaluate(self, *data, num_samples: int = 100, rng_key=None) -> dict:
         """Mean log predictive density (and accuracy for Bernoulli observations) on held-out rows."""
@@ -83,8 +108,7 @@ class DPPVIResult:
         groups = {"posterior": {k: v[None] for k, v in samples.items()}}
         if eval_data is not None:
             arrays = self.adapter.validate_data(eval_data, "eval_data")
-            loc, scale = factors.to_loc_scale(self.q)
-            u = loc + scale * jax.random.normal(k_post, (int(num_samples),) + loc.shape)
+            u = self._draws(num_samples, k_post)
             ll = jax.lax.map(lambda u_s: self.adapter.log_lik_rows(u_s, arrays), u)
             groups["log_likelihood"] = {self.adapter.observed[0]: np.asarray(ll)[None]}
         return from_groups(groups)
@@ -94,49 +118,44 @@ class DPPVIResult:
 
         return az.summary(self.to_arviz(num_samples), **kwargs)
 
-    # -- persistence ---------------------------------------------------------------------------
-    def save(self, path) -> None:
-        """Write the state, history, configuration and privacy ledger to ``path`` (checksummed ``.npz``)."""
-        meta = {
-            "kind": "DPPVIResult", "method": self.method, "schedule": self.schedule, "history": self.history,
-            "config": self.config, "privacy": None if self.privacy is None else self.privacy.to_dict(),
+    # -- publishing ----------------------------------------------------------------------------
+    def public_meta(self) -> dict:
+        """The metadata of a published result (every field documented in docs/privacy.md)."""
+        return {
+            "kind": "DPPVIResult", "format": RESULT_FORMAT, "method": self.method, "schedule": self.schedule,
+            "history": self.history, "config": self.config, "rounds": self.rounds,
+            "privacy": self.privacy.to_dict() if self.is_private else None,
             "data_shapes": [list(a.shape[1:]) for a in self.adapter.example_row],
             "data_dtypes": [str(a.dtype) for a in self.adapter.example_row],
         }
-        checkpoint.save(path, self.state, meta)
+
+    def save(self, path, hmac_key: bytes | None = None) -> None:
+        """Publish the result to ``path`` (``.npz``): ``q``, the ledger, the settings and the history.
+
+        Holds nothing private (no key, no client state); see docs/privacy.md. With ``hmac_key`` the
+        file is authenticated (a file edited without the key is refused by :meth:`load`); without,
+        its checksum detects damage only.
+        """
+        checkpoint.save(path, {"q": self.q}, self.public_meta(), hmac_key=hmac_key)
 
     @classmethod
-    def load(cls, path, model, template_state=None) -> "DPPVIResult":
-        """Load a saved result; ``model`` is the same ``@dppvi.model`` function (code is never stored).
+    def load(cls, path, model, hmac_key: bytes | None = None) -> "DPPVIResult":
+        """Load a published result; ``model`` is the same NumPyro model function (code is never stored).
 
-        The model is re-traced on zeros shaped like the data (no data rows are stored in the file).
+        The model is re-traced on zeros shaped like one data row (no data rows are stored).
         """
-        arrays, meta = checkpoint.load(path)
-        if meta.get("kind") != "DPPVIResult":
-            raise ValueError(f"{path} does not hold a DPPVIResult")
-        example = tuple(np.zeros((3, *shape), dtype) for shape, dtype in zip(meta["data_shapes"], meta["data_dtypes"]))
-        adapter = ModelAdapter(model, example)
-        if template_state is None:
-            from .pvi.server import PVIState
+        arrays, meta = checkpoint.load(path, hmac_key=hmac_key)
+        return cls.from_saved(arrays, meta, model, path)
 
-            template_state = _state_template(arrays, PVIState)
-        state = checkpoint.unflatten_like(template_state, arrays)
-        privacy = None
-        if meta.get("privacy") is not None:
-            from .privacy import PrivacyLedger
-
-            privacy = PrivacyLedger.from_dict(meta["privacy"])
-        return cls(adapter, state, meta["history"], meta["method"], meta["schedule"], privacy, meta["config"])
-
-
-def _state_template(arrays: dict, state_cls):
-    """A template for a saved state whose client state is not needed (loading for analysis only)."""
-    g = lambda name: factors.Gaussian(arrays[f".{name}.eta1"], arrays[f".{name}.eta2"])
-    client = {k: v for k, v in arrays.items() if k.startswith(".client_state")}
-    state = state_cls(q=g("q"), factors=g("factors"), server_factor=g("server_factor"), q_seen=g("q_seen"),
-                      client_state=(), key=arrays[".key"], round=arrays[".round"],
-                      communications=arrays[".communications"], active=arrays[".active"])
-    if client:
-        raise ValueError("this save holds client optimiser state: load it through the driver "
-                         "(DPPVI(...).resume(path, clients)) so the state can be rebuilt")
-    return state
+    @classmethod
+    def from_saved(cls, arrays, meta, model, path="the file") -> "DPPVIResult":
+        if meta.get("private"):
+            raise ValueError(f"{path} is a private checkpoint (it holds the fit's secret key and client states); "
+                             "resume it with fit_dppvi(..., resume=path), and publish result.save(...) instead")
+        if meta.get("kind") != "DPPVIResult" or meta.get("format") != RESULT_FORMAT:
+            raise ValueError(f"{path} does not hold a published DPPVIResult (format {RESULT_FORMAT})")
+        adapter = ModelAdapter.for_shapes(model, meta["data_shapes"], meta["data_dtypes"])
+        q = factors.Gaussian(arrays["['q'].eta1"], arrays["['q'].eta2"])
+        privacy = None if meta.get("privacy") is None else PrivacyLedger.from_dict(meta["privacy"])
+        return cls(adapter, q, meta["history"], meta["method"], meta["schedule"], privacy, meta["config"],
+                   meta.get("rounds", len(meta["history"])))

@@ -165,7 +165,7 @@ def test_clients_not_larger_than_the_private_batch_are_rejected(rows, batch, met
     """DP-SGD needs subsampled batches (rate < 1) on every client: a clear error, not a silent
     rate > 1 that the accountant would misreport. (Client 0 needs 3 rows to trace the model.)"""
     clients = tiny_clients(rows=rows) if method == "dp_optimisation" else tiny_clients(num_clients=1, rows=rows)
-    with raises_naming(ValueError, "lower batch_size"):
+    with raises_naming(ValueError, "batch_size <="):
         if method == "dp_optimisation":
             dppvi.fit_dppvi(logistic, clients, method="dp_optimisation", batch_size=batch, privacy=PRIVATE, **FAST)
         else:
@@ -176,7 +176,7 @@ def test_clients_not_larger_than_the_private_batch_are_rejected(rows, batch, met
 @given(rows=st.integers(3, 5), extra=st.integers(1, 5))
 def test_more_shards_than_rows_and_vips_batches_larger_than_the_data_are_rejected(rows, extra):
     with raises_naming(ValueError, "use at most"):
-        dppvi.fit_dppvi(logistic, tiny_clients(rows=rows), method="virtual_clients", shards=rows + extra, **FAST)
+        dppvi.fit_dppvi(logistic, tiny_clients(rows=rows), method="local_averaging", shards=rows + extra, **FAST)
     data = (np.ones((rows, 2)), np.zeros(rows))
     with raises_naming(ValueError, r"integer in \[1, "):
         fit_vips(BayesianLinearRegression(2, 1.0), data, batch_size=rows + extra, rng_key=jax.random.key(0))

@@ -70,7 +70,7 @@ def test_save_load_round_trip_and_tamper_detection(fitted, tmp_path):
     with zipfile.ZipFile(io.BytesIO(raw)) as zin, zipfile.ZipFile(buf, "w") as zout:
         for item in zin.infolist():
             data = zin.read(item.filename)
-            if item.filename == ".round.npy":
+            if item.filename == "['q'].eta1.npy":
                 arr = np.load(io.BytesIO(data))
                 out = io.BytesIO()
                 np.save(out, arr + 1)

@@ -31,38 +31,43 @@ from .fit import DPPVI
 def fit_global_vi(model, clients, *, steps: int = 1000, steps_per_round: int = 100, batch_size: int | None = 100,
                   num_samples: int = 10, optimizer: optax.GradientTransformation | None = None, rng_key=None,
                   eval_data=None, progress: bool = False, privacy=None) -> DPPVIResult:
-    """VI (``privacy=None``) or DP-SGD VI on the pooled data of ``clients``; history every ``steps_per_round`` steps."""
+    """VI (``privacy=None``) or DP-SGD VI on the pooled data of ``clients``; history every ``steps_per_round`` steps.
+
+    ``rng_key=None`` draws the key from the operating system (see :func:`~numpyro_dppvi.fit_dppvi`).
+    """
     clients = validate_clients(clients)
     if steps % steps_per_round:
-        raise ValueError(f"steps ({steps}) must be a multiple of steps_per_round ({steps_per_round})")
+        raise ValueError(f"fit_global_vi: steps ({steps}) must be a multiple of steps_per_round ({steps_per_round})")
     pooled = tuple(np.concatenate(parts) for parts in zip(*clients))
     rounds = steps // steps_per_round
     driver = DPPVI(model, method="pvi" if privacy is None else "dp_optimisation", schedule="sequential",
                    optimizer=optimizer, local_steps=steps_per_round, batch_size=batch_size, num_samples=num_samples,
                    damping=1.0, privacy=privacy, rounds=rounds)
-    rng_key = jax.random.key(0) if rng_key is None else rng_key
-    result = driver.run(rng_key, [pooled], rounds, eval_data=eval_data, progress=progress)
-    for entry in result.history:
-        entry["communications"] = entry["round"] * steps_per_round * len(clients)
-    if privacy is not None:
-        pooled_ledger = result.privacy
-        result.privacy = privacy.ledger(len(clients))
-        for event in pooled_ledger.events(0):
-            result.privacy.record_all(event)
-    result.method, result.schedule = "global_vi" if privacy is None else "dp_global_vi", None
-    return result
+    pooled_result = driver.run(rng_key, [pooled], rounds, eval_data=eval_data, progress=progress)
+    history = [dict(entry, communications=entry["round"] * steps_per_round * len(clients),
+                    participated=[True] * len(clients)) for entry in pooled_result.history]
+    ledger = None
+    if privacy is not None:  # every row was in every step's sampling: each client carries the pooled events
+        ledger = privacy.ledger(len(clients), seed=pooled_result.privacy.seed)
+        for event in pooled_result.privacy.events(0):
+            ledger.record_all(event)
+    config = dict(pooled_result.config, steps=steps, steps_per_round=steps_per_round)
+    return DPPVIResult(pooled_result.adapter, pooled_result.q, history, "global_vi" if privacy is None else "dp_global_vi",
+                       None, ledger, config, pooled_result.rounds)
 
 
 def fit_bcm(model, clients, *, prior: str = "same", local_steps: int = 1000, batch_size: int | None = 100,
             num_samples: int = 10, optimizer: optax.GradientTransformation | None = None, rng_key=None,
             eval_data=None, privacy=None) -> DPPVIResult:
-    """Bayesian committee machine in one round (``prior="same" | "split"``), optionally with DP-SGD training."""
+    """Bayesian committee machine in one round (``prior="same" | "split"``), optionally with DP-SGD training.
+
+    ``rng_key=None`` draws the key from the operating system (see :func:`~numpyro_dppvi.fit_dppvi`).
+    """
     if prior not in ("same", "split"):
-        raise ValueError(f"prior must be 'same' or 'split', got {prior!r}")
+        raise ValueError(f"fit_bcm: prior must be 'same' or 'split', got {prior!r}")
     driver = DPPVI(model, method="pvi" if privacy is None else "dp_optimisation", schedule="synchronous",
                    optimizer=optimizer, local_steps=local_steps, batch_size=batch_size, num_samples=num_samples,
                    damping=1.0, privacy=privacy, rounds=1)
-    rng_key = jax.random.key(0) if rng_key is None else rng_key
     start = time.perf_counter()
     state = driver.init(rng_key, clients)
     q0 = state.q  # prior (times the server's prior factor for non-Gaussian priors)
@@ -81,14 +86,11 @@ def fit_bcm(model, clients, *, prior: str = "same", local_steps: int = 1000, bat
             driver.ledger.record(m, driver.plan.event(m, 1))
     t_k = factors.divide(q_k, local_priors)  # each client's factor
     q = factors.multiply(q0, factors.product(t_k))
-    factors.check_proper(q, "the BCM posterior")
-    state = state._replace(q=q, factors=t_k, round=state.round + 1, communications=state.communications + len(driver.clients))
+    factors.check_proper(q, "the BCM posterior (fit_bcm)")
     entry = {"round": 1, "communications": len(driver.clients), "participated": [True] * len(driver.clients),
              "seconds": time.perf_counter() - start}
     if eval_data is not None:
         arrays = driver.adapter.validate_data(eval_data, "eval_data")
         entry.update(evaluate(driver.adapter, q, arrays, jax.random.fold_in(jax.random.wrap_key_data(state.key), 0x5EED)))
-    if driver.ledger is not None:
-        entry["epsilon"] = driver.ledger.epsilon
-    return DPPVIResult(driver.adapter, state, [entry], method=f"bcm_{prior}", schedule=None,
-                       privacy=driver.ledger, config=driver.config())
+    return DPPVIResult(driver.adapter, q, [entry], method=f"bcm_{prior}", schedule=None, privacy=driver.ledger,
+                       config=dict(driver.settings(), prior=prior), rounds=1)

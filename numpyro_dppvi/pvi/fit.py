@@ -1,12 +1,16 @@
 """``DPPVI``: the SVI-style driver of (DP-)PVI, and ``fit_dppvi``, its one-call form.
 
 Wires the model adapter, a local update rule, the server schedule and (for private methods) the
-privacy ledger. The driver holds the padded client data; ``init`` returns a :class:`PVIState`
-pytree and ``round`` advances it by one jitted round, so a fit can be stopped, saved and resumed.
+privacy plan and ledger. ``init`` returns a :class:`PVIState` pytree and ``round`` advances it by
+one jitted round. The state is **private** (it holds the fit's secret key and every client's private
+state): ``run`` returns a :class:`~numpyro_dppvi.results.DPPVIResult` holding only what may be
+published, and writes the state only to a private checkpoint (``checkpoint=path``), from which
+``fit_dppvi(resume=path)`` continues with its ledger intact.
 """
 
 from __future__ import annotations
 
+import dataclasses
 import time
 from typing import Callable, Sequence
 
@@ -15,38 +19,35 @@ import jax.numpy as jnp
 import numpy as np
 import optax
 
-from .. import factors
+from .. import checkpoint as checkpoints
+from .. import factors, keys
 from ..data import pad_clients, validate_clients
 from ..evaluation import evaluate
 from ..factors import Gaussian
 from ..model import ModelAdapter
+from ..privacy import Privacy, PrivacyLedger
+from ..privacy.adaptive_clip import adaptive_clip_init
 from ..results import DPPVIResult
 from . import server
 from .local import DPOptimisation, NonPrivate, ServerFactorStep
 from .privacy_plan import client_level_plan, dp_sgd_plan, shard_update_plan
 from .server import SCHEDULES, PVIState
-from .shards import make_shards
-from .update_perturbation import INVALID_RULES, LocalAveraging, VirtualClients
+from .shards import ROWS, make_shards
+from .update_perturbation import INVALID_RULES, LocalAveraging, VirtualClients, trusted_aggregator_round
 
 METHODS = ("pvi", "dp_optimisation", "local_averaging", "virtual_clients", "parameter_perturbation")
 UPDATE_METHODS = ("local_averaging", "virtual_clients", "parameter_perturbation")
 PRIVACY_UNITS = ("example", "client")
-
-
-def _key_data(rng_key) -> jax.Array:
-    """Raw uint32 data of a JAX PRNG key (typed ``jax.random.key`` or legacy ``PRNGKey``)."""
-    dtype = getattr(rng_key, "dtype", None)
-    if dtype is None:
-        raise TypeError(f"rng_key must be a JAX PRNG key such as jax.random.key(0), got {type(rng_key).__name__}")
-    if jnp.issubdtype(dtype, jax.dtypes.prng_key):
-        return jax.random.key_data(rng_key)
-    if dtype != jnp.uint32 or rng_key.shape[-1:] != (2,):
-        raise TypeError(f"rng_key must be a JAX PRNG key such as jax.random.key(0), got an array of {dtype} {rng_key.shape}")
-    return rng_key
+CHECKPOINT_FORMAT = "numpyro_dppvi.DPPVICheckpoint/1"
+#: Settings a resumed fit must share with its checkpoint (the privacy ones are checked against the
+#: stored ledger too): any change would make the stored ledger count the wrong releases.
+RESUME_SETTINGS = ("method", "schedule", "local_steps", "batch_size", "num_samples", "damping", "server_steps",
+                   "shards", "invalid", "precision_floor", "trusted_aggregator", "privacy_unit", "client_rate",
+                   "planned_rounds", "privacy")
 
 
 class FitDiverged(FloatingPointError):
-    """A round would have made the posterior invalid; ``result`` holds the last valid state."""
+    """A round would have made the posterior invalid; ``result`` holds the last valid (public) result."""
 
     def __init__(self, message: str, result: DPPVIResult):
         super().__init__(message)
@@ -57,7 +58,7 @@ class DPPVI:
     """Partitioned variational inference driver, in the manner of ``numpyro.infer.SVI``.
 
     Args:
-        model: a ``@dppvi.model`` NumPyro model taking the data arrays positionally.
+        model: a NumPyro model taking the data arrays positionally (``@dppvi.model`` optional).
         method: ``"pvi"`` (non-private local steps), ``"dp_optimisation"`` (DP-SGD in the local step),
             ``"local_averaging"``, ``"virtual_clients"`` or ``"parameter_perturbation"`` (privacy by
             perturbing model updates; without ``privacy`` they run without clipping or noise).
@@ -71,11 +72,13 @@ class DPPVI:
         server_steps: steps of the server's prior-factor refinement per round (non-Gaussian priors).
         privacy: a :class:`~numpyro_dppvi.privacy.Privacy`.
         rounds: the planned number of rounds; needed to calibrate the noise to a budget.
-        shards: local partitions per client for update perturbation: an int or ``f(n_m) -> int``.
+        shards: local partitions per client for update perturbation: ``"rows"`` (one record per
+            shard; the default of ``virtual_clients``), an int, or ``f(n_m) -> int`` (records are
+            assigned by a keyed hash of their own values, see :mod:`numpyro_dppvi.pvi.shards`).
         invalid: rule for noisy updates with a non-positive precision: ``"reject"`` or ``"floor"``.
         precision_floor: the precision floor of ``invalid="floor"``.
-        trusted_aggregator: synchronous update perturbation where each of the ``M`` participating
-            clients adds noise ``sigma C / sqrt(M)`` and only the sum is revealed (DESIGN §5.3).
+        trusted_aggregator: synchronous update perturbation where each participating client adds a
+            share of the noise and only the sum is revealed (DESIGN §5.3).
         privacy_unit: ``"example"`` (default) or ``"client"`` (client-level DP, synchronous,
             ``method="pvi"`` local steps; clients sampled with probability ``client_rate``).
     """
@@ -85,9 +88,7 @@ class DPPVI:
                  batch_size: int | None = None, num_samples: int = 10, damping: float = 1.0,
                  server_steps: int = 50, privacy=None, rounds: int | None = None, shards=None,
                  invalid: str = "reject", precision_floor: float = 1e-3, trusted_aggregator: bool = False,
-                 privacy_unit: str = "example", client_rate: float = 1.0, shard_seed: int = 0):
-        from ..privacy import Privacy
-
+                 privacy_unit: str = "example", client_rate: float = 1.0):
         if method not in METHODS:
             raise ValueError(f"unknown method {method!r}; choose one of {METHODS}")
         if schedule not in SCHEDULES:
@@ -118,12 +119,18 @@ class DPPVI:
         if trusted_aggregator and (method not in UPDATE_METHODS or schedule != "synchronous" or privacy is None):
             raise ValueError("trusted_aggregator=True needs a private update-perturbation method "
                              f"{UPDATE_METHODS} with schedule='synchronous'")
-        if method in ("local_averaging", "virtual_clients") and shards is None:
-            raise ValueError(f"method={method!r} needs shards= (an int, or a function of the client size)")
+        if method == "virtual_clients" and shards is None:
+            shards = ROWS
+        if method == "local_averaging" and shards is None:
+            raise ValueError(f"method={method!r} needs shards= (\"rows\", an int, or a function of the client size)")
         if method == "parameter_perturbation":
             if shards not in (None, 1):
                 raise ValueError("parameter perturbation uses one shard; use local_averaging for more")
             shards = 1
+        if shards is not None and not (shards == ROWS or callable(shards)
+                                       or (isinstance(shards, (int, np.integer)) and not isinstance(shards, bool)
+                                           and shards >= 1)):
+            raise ValueError(f"shards must be 'rows', a positive int or a function n_m -> int, got {shards!r}")
         if rounds is not None and (int(rounds) != rounds or rounds < 1):
             raise ValueError(f"rounds must be a positive integer, got {rounds!r}")
         if not (0.0 < float(damping) <= 1.0):
@@ -150,58 +157,58 @@ class DPPVI:
         self.trusted_aggregator = bool(trusted_aggregator)
         self.privacy_unit = privacy_unit
         self.client_rate = float(client_rate)
-        self.shard_seed = shard_seed
         self.adapter: ModelAdapter | None = None
         self.ledger = None
         self.plan = None
 
     # -- set-up --------------------------------------------------------------------------------
-    def _setup(self, clients):
+    def _setup(self, clients, key_data):
+        """Validate and lay out the clients (shards keyed by a secret derived from ``key_data``),
+        trace the model, make the privacy plan and the local rule, and compile the round."""
         clients = validate_clients(clients)
         self.clients = clients
         self.adapter = ModelAdapter(self.model, clients[0])
         for m, c in enumerate(clients):
             self.adapter.validate_data(c, f"client {m}")
         self.num_clients = len(clients)
-        a = self.adapter
+        a, p = self.adapter, self.privacy
+        dimension = 2 * a.dim  # noise coordinates of one release: (eta1, eta2) or (loc, log_scale)
         if self.method in UPDATE_METHODS:
-            layout = make_shards(clients, self.shards, self.shard_seed)
+            layout = make_shards(clients, self.shards, keys.derived_bytes(key_data, keys.SHARD_HASH_TAG))
             self.num_shards = layout.num_shards
+            self.shard_ids = layout.ids
         else:
             layout = pad_clients(clients)
         self.data = tuple(jnp.asarray(x) for x in layout.arrays)
         self.mask = jnp.asarray(layout.mask)
         self.sizes = jnp.asarray(layout.sizes, jnp.float32)
-        p = self.privacy
+        self.public_sizes = np.asarray(layout.sizes, int)
         if self.method == "dp_optimisation":
-            self.plan = dp_sgd_plan(p, layout.sizes, self.batch_size, self.local_steps, self.planned_rounds)
+            self.plan = dp_sgd_plan(p, layout.sizes, self.batch_size, self.local_steps, self.planned_rounds, dimension)
             self.rule = DPOptimisation(a.log_lik_rows, a.dim, self.optimizer, self.local_steps, self.batch_size,
                                        self.num_samples, log_lik_row=a.log_lik_row_blocks, clip=p.clip,
                                        sampling=p.sampling, max_batch=self.plan.max_batch,
                                        blocks=a.site_sizes)
         elif self.method in UPDATE_METHODS:
-            self.plan = None if p is None else shard_update_plan(p, self.num_clients, self.planned_rounds)
+            self.plan = None if p is None else shard_update_plan(p, self.num_clients, self.planned_rounds, dimension,
+                                                                 one_record_per_shard=self.shards == ROWS)
             cls = VirtualClients if self.method == "virtual_clients" else LocalAveraging
             self.rule = cls(a.log_lik_rows, a.dim, self.optimizer, self.local_steps, self.num_samples,
                             clip=None if p is None else p.clip, damping=self.damping, invalid=self.invalid,
                             precision_floor=self.precision_floor)
         else:
             if self.privacy_unit == "client":
-                self.plan = client_level_plan(p, self.num_clients, self.planned_rounds, self.client_rate)
+                self.plan = client_level_plan(p, self.num_clients, self.planned_rounds, self.client_rate, dimension)
             self.rule = NonPrivate(a.log_lik_rows, a.dim, self.optimizer, self.local_steps, self.batch_size,
                                    self.num_samples)
-        self.epsilon_max = None if self.plan is None else self.plan.epsilon_max(self.num_clients)
         self.server_step = (
             ServerFactorStep(a.server_log_density, a.server_mask, self.optimizer, self.server_steps, self.num_samples)
             if a.has_server_factor else None
         )
         self._round = jax.jit(self._round_fn)
-        self._order = jax.jit(self._order_fn)
 
     def _adaptive_clip_state(self) -> dict:
         """Per-client adaptive clipping state, starting at ``Privacy.clip`` (stacked over clients)."""
-        from ..privacy.adaptive_clip import adaptive_clip_init
-
         p, settings = self.privacy, self.privacy.adaptive_clip
         states = [adaptive_clip_init(p.clip, float(self.batch_size), p.count_noise_std(float(z)),
                                      settings.target_quantile, settings.learning_rate)
@@ -210,91 +217,98 @@ class DPPVI:
                 "noise_per_clip": jnp.asarray([p.gradient_noise_std(float(z), clip=1.0)
                                                for z in self.plan.noise_multipliers], jnp.float32)}
 
-    def _noise_stds(self, active) -> np.ndarray:
-        """Noise std each client adds this round (trusted aggregator: its share ``sigma C / sqrt(M)``)."""
-        stds = np.array([self.plan.noise_std(m) for m in range(self.num_clients)])
-        if self.trusted_aggregator:
-            stds = stds / np.sqrt(max(int(np.sum(active)), 1))
-        return stds
-
     def init(self, rng_key, clients) -> PVIState:
-        """Validate and pad the clients, trace the model, and return the initial state (``q_0`` = prior)."""
-        self._setup(clients)
+        """Validate and lay out the clients, trace the model, and return the initial state (``q_0`` = prior).
+
+        ``rng_key=None`` draws the fit's key from the operating system (recommended for private fits:
+        the guarantee rests on the key staying secret, and the state, which holds it, is private).
+        """
+        key_data, seed = keys.resolve(rng_key)
+        return self._init(key_data, seed, clients)
+
+    def _init(self, key_data, seed: str, clients) -> PVIState:
+        self._setup(clients, key_data)
         a, m = self.adapter, self.num_clients
         t0 = Gaussian(jnp.zeros(a.dim), jnp.where(a.server_mask, -0.5, 0.0))  # N(0, 1) on t_0's coordinates
         q = factors.multiply(a.prior, t0)
         zeros = Gaussian(jnp.zeros((m, a.dim)), jnp.zeros((m, a.dim)))
-        key = _key_data(rng_key)
-        init_key = jax.random.fold_in(jax.random.wrap_key_data(key), 0x7FFFFFFF)
+        init_key = jax.random.fold_in(jax.random.wrap_key_data(key_data), 0x7FFFFFFF)
         client_state = jax.vmap(self.rule.init_client_state)(self.data, self.mask, jax.random.split(init_key, m))
+        if self.method in UPDATE_METHODS:
+            client_state = dict(client_state, ids=jnp.asarray(self.shard_ids),
+                                num_shards=jnp.asarray(self.num_shards, jnp.float32))
         if self.plan is not None and self.plan.kind != "client":
-            client_state = dict(client_state, noise_std=jnp.asarray(self._noise_stds(np.ones(m)), jnp.float32))
+            stds = np.array([self.plan.noise_std(j) for j in range(m)])
+            client_state = dict(client_state, noise_std=jnp.asarray(stds, jnp.float32))
+        elif self.method in UPDATE_METHODS:
+            client_state = dict(client_state, noise_std=jnp.zeros(m, jnp.float32))
         if self.privacy is not None and self.privacy.adaptive_clip is not None:
             client_state = dict(client_state, **self._adaptive_clip_state())
-        state = PVIState(q=q, factors=zeros, server_factor=t0, q_seen=server._broadcast(q, m),
-                         client_state=client_state, key=key, round=jnp.array(0, jnp.int32),
-                         communications=jnp.array(0, jnp.int32), active=jnp.ones(m, bool))
+        state = PVIState(q=q, factors=zeros, server_factor=t0, noise_factor=factors.zeros(a.dim),
+                         q_seen=server.broadcast(q, m), client_state=client_state, key=jnp.asarray(key_data),
+                         round=jnp.array(0, jnp.int32), communications=jnp.array(0, jnp.int32),
+                         active=jnp.ones(m, bool), participations=jnp.zeros(m, jnp.int32))
         if self.server_step is not None:
             state = jax.jit(lambda s: server.refine_server_factor(self.server_step, s, init_key))(state)
-        self.ledger = None if self.plan is None else self.privacy.ledger(m, self.trusted_aggregator)
+        self.seed = seed
+        self.ledger = None if self.plan is None else self.privacy.ledger(m, self.trusted_aggregator, seed=seed)
+        self._limits = None
         return state
 
-    def _order_fn(self, state: PVIState, sizes):
-        """Which clients take part this round, in arrival order (asynchronous: drawn ~ 1/n_m)."""
-        if self.schedule == "asynchronous":
-            k_order = jax.random.split(server.round_key(state), 3)[1]
-            return server.arrival_order(k_order, sizes, state.active, self.num_clients)
-        return jnp.arange(self.num_clients)
-
-    def _round_fn(self, state: PVIState, data, mask, sizes, order):
+    def _round_fn(self, state: PVIState, data, mask, sizes, limits):
         key = server.round_key(state)
-        k_server, _, k_clients = jax.random.split(key, 3)
+        k_server, k_order, k_clients = jax.random.split(key, 3)
         if self.server_step is not None:
             state = server.refine_server_factor(self.server_step, state, k_server)
         if self.privacy_unit == "client":
-            return server.client_level(self.rule, self.damping, state, data, mask, sizes, k_clients,
-                                       self.privacy.clip, self.plan.noise_std(0), self.client_rate)
+            return server.client_level(self.rule, self.damping, state, data, mask, sizes, k_clients, limits,
+                                       self.privacy.clip, self.plan.noise_std(0), self.client_rate,
+                                       self.invalid, self.precision_floor)
+        if self.trusted_aggregator:
+            state, stopped = server.stop_over_budget(state, limits)
+            new_state, metrics = trusted_aggregator_round(self.rule, self.damping, state, data, mask, sizes,
+                                                          k_clients, state.active)
+            return server.charge(new_state, state.active), dict(metrics, stopped=stopped)
         if self.schedule == "synchronous":
-            return server.synchronous(self.rule, self.damping, state, data, mask, sizes, k_clients)
+            return server.synchronous(self.rule, self.damping, state, data, mask, sizes, k_clients, limits)
+        if self.schedule == "asynchronous":
+            order = server.arrival_order(k_order, sizes, state.active, self.num_clients)
+        else:
+            order = jnp.arange(self.num_clients)
         return server.arrivals(self.rule, self.damping, state, data, mask, sizes, k_clients,
-                               order, stale=self.schedule == "asynchronous")
+                               order, limits, stale=self.schedule == "asynchronous")
 
-    def _charge(self, state: PVIState, order) -> tuple[PVIState, list, np.ndarray]:
-        """Apply the per-client budget stop rule before a round; return the arrivals per client.
+    def limits(self, state: PVIState, rounds: int) -> jax.Array:
+        """Per-client participation limits for the next ``rounds`` rounds (budget stop rule)."""
+        if self.plan is None:
+            return jnp.full(self.num_clients, np.iinfo(np.int32).max, jnp.int32)
+        horizon = int(rounds) * (self.num_clients if self.schedule == "asynchronous" else 1)
+        limits = self.plan.limits(self.ledger, np.asarray(state.participations), max(horizon, 1))
+        return jnp.asarray(np.minimum(limits, np.iinfo(np.int32).max), jnp.int32)
 
-        A client whose releases this round would take its epsilon past ``epsilon_max`` stops for
-        good (it is marked inactive, recorded in the ledger and in the history)."""
-        active = np.asarray(state.active).copy()
-        arrivals = np.bincount(np.asarray(order), minlength=self.num_clients) * active
-        stopped = []
-        if self.ledger is not None:
-            for m in np.flatnonzero(arrivals):
-                event = self.plan.event(int(m), int(arrivals[m]))
-                if self.ledger.epsilon_if(int(m), event) > self.epsilon_max[m] * (1 + 1e-9):
-                    active[m], arrivals[m] = False, 0
-                    self.ledger.stop(int(m), "epsilon_max", int(state.round) + 1)
-                    stopped.append(int(m))
-        return state._replace(active=jnp.asarray(active)), stopped, arrivals
-
-    def round(self, state: PVIState) -> tuple[PVIState, dict]:
-        """One round. Raises (keeping ``state`` untouched) when the round would make ``q`` or a cavity invalid."""
+    def round(self, state: PVIState, limits=None) -> tuple[PVIState, dict]:
+        """One round (raises, keeping ``state`` untouched, when the round would make ``q`` or a cavity
+        invalid). Charges the releases it made to :attr:`ledger`. ``limits``: the participation limits
+        from :meth:`limits` (computed for one round when omitted)."""
         if self.adapter is None:
             raise RuntimeError("call init(rng_key, clients) before round(state)")
-        order = self._order(state, self.sizes)
-        state, stopped, arrivals = self._charge(state, order)
-        if self.trusted_aggregator:
-            stds = jnp.asarray(self._noise_stds(np.asarray(state.active)), jnp.float32)
-            state = state._replace(client_state=dict(state.client_state, noise_std=stds))
-        new_state, metrics = self._round(state, self.data, self.mask, self.sizes, order)
+        if limits is None:
+            limits = self.limits(state, 1)
+        new_state, metrics = self._round(state, self.data, self.mask, self.sizes, limits)
+        charged = np.asarray(new_state.participations) - np.asarray(state.participations)
+        stopped = np.flatnonzero(np.asarray(metrics["stopped"])).tolist()
         if self.ledger is not None:  # the releases happened: charge them before anything can fail
-            for m in np.flatnonzero(arrivals):
-                self.ledger.record(int(m), self.plan.event(int(m), int(arrivals[m])))
+            for m in np.flatnonzero(charged):
+                self.ledger.record(int(m), self.plan.event(int(m), int(charged[m])))
+            for m in stopped:
+                self.ledger.stop(int(m), "epsilon_max", int(state.round) + 1)
         metrics = dict(metrics, stopped=stopped, rejected_round=False)
         if not bool(metrics["valid"]) and self.plan is not None and self.plan.kind in ("shard_update", "client"):
             # noisy releases whose sum would make q improper: the round is rejected as a whole (every
             # factor and client state kept; the releases stay charged); counted in the history
-            return state._replace(round=new_state.round, communications=new_state.communications), \
-                dict(metrics, rejected_round=True)
+            kept = state._replace(round=new_state.round, communications=new_state.communications,
+                                  active=new_state.active, participations=new_state.participations)
+            return kept, dict(metrics, rejected_round=True)
         if not bool(metrics["valid"]):
             raise FloatingPointError(
                 f"round {int(state.round) + 1} produced an invalid posterior or cavity (non-finite or "
@@ -303,15 +317,80 @@ class DPPVI:
             )
         return new_state, metrics
 
+    def settings(self) -> dict:
+        """The data-independent settings of the fit (JSON): published as ``result.config`` and
+        compared on resume (:data:`RESUME_SETTINGS`)."""
+        out = {"method": self.method, "schedule": self.schedule, "local_steps": self.local_steps,
+               "batch_size": self.batch_size, "num_samples": self.num_samples, "damping": self.damping,
+               "server_steps": self.server_steps, "planned_rounds": self.planned_rounds,
+               "privacy_unit": self.privacy_unit, "client_rate": self.client_rate,
+               "trusted_aggregator": self.trusted_aggregator, "invalid": self.invalid,
+               "precision_floor": self.precision_floor, "shards": None, "privacy": None}
+        if self.method in UPDATE_METHODS and self.adapter is not None:
+            out["shards"] = "rows" if self.shards == ROWS else [int(k) for k in self.num_shards]
+        p = self.privacy
+        if p is not None and self.plan is not None:
+            out["privacy"] = {
+                "epsilon": p.epsilon, "delta": p.delta, "clip": p.clip, "sampling": p.sampling,
+                "neighbouring": p.neighbouring, "accountant": p.accountant,
+                "epsilon_max": None if p.epsilon_max is None else
+                [float(x) for x in np.atleast_1d(p.epsilon_max_per_client(self.num_clients))],
+                "adaptive_clip": None if p.adaptive_clip is None else dataclasses.asdict(p.adaptive_clip),
+                "noise_multiplier": [float(z) for z in self.plan.noise_multipliers],
+            }
+        return out
+
+    config = settings
+
+    def _result(self, state: PVIState, history: list) -> DPPVIResult:
+        return DPPVIResult(self.adapter, state.q, history, method=self.method, schedule=self.schedule,
+                           privacy=self.ledger, config=self.settings(), rounds=int(state.round))
+
+    def _public_entry(self, state, metrics, seconds) -> tuple[dict, dict]:
+        """Split one round's record into what may be published and what stays in the private checkpoint."""
+        client_level = self.privacy_unit == "client"
+        entry = {"round": int(state.round), "seconds": seconds}
+        private = {"round": int(state.round)}
+        participated = np.asarray(metrics["participated"]).tolist()
+        if client_level:  # the client sample and its size would void the subsampling amplification
+            private.update(participated=participated, communications=int(state.communications))
+        else:
+            entry.update(communications=int(state.communications), participated=participated)
+        if metrics["stopped"]:
+            entry["stopped"] = metrics["stopped"]
+        if "invalid" in metrics:
+            entry["invalid_updates"] = int(np.sum(np.asarray(metrics["invalid"])))
+        if metrics["rejected_round"]:
+            entry["rejected_round"] = True
+        failed = np.flatnonzero(np.asarray(metrics["failed"])).tolist()
+        if failed:
+            entry["failed"] = failed
+        if "order" in metrics and self.schedule == "asynchronous":
+            entry["arrivals"] = np.asarray(metrics["order"]).tolist()
+        return entry, private
+
+    def save_checkpoint(self, path, state: PVIState, history: list, private_history: list,
+                        hmac_key: bytes | None = None) -> None:
+        """Write the **private** checkpoint: the whole state (secret key included), the ledger, the
+        public and private histories and a keyed fingerprint of the clients' data. Never publish it."""
+        meta = {"kind": "DPPVICheckpoint", "format": CHECKPOINT_FORMAT, "seed": self.seed,
+                "result": self._result(state, history).public_meta(), "private_history": private_history,
+                "settings": self.settings(), "fingerprint": keys.keyed_fingerprint(state.key, self.clients)}
+        checkpoints.save(path, state, meta, hmac_key=hmac_key, private=True)
+
     def run(self, rng_key, clients, rounds: int, eval_data: Sequence | None = None,
             callback: Callable | None = None, progress: bool = False, state: PVIState | None = None,
-            history: list | None = None, ledger=None, checkpoint=None) -> DPPVIResult:
+            history: list | None = None, ledger=None, checkpoint=None, private_history: list | None = None,
+            hmac_key: bytes | None = None, track_epsilon: bool = False) -> DPPVIResult:
         """Run ``rounds`` rounds from ``init``, or from ``state`` (with its ``history`` and privacy
-        ``ledger``) to resume a saved fit, and return a result.
+        ``ledger``) to resume, and return the (public) result.
 
-        ``checkpoint``: a path the result is saved to after every round (resume it with
+        ``checkpoint``: a path the private checkpoint is written to after every round (resume it with
         ``fit_dppvi(..., resume=path)``). If a round would make ``q`` invalid, :class:`FitDiverged` is
         raised carrying the last valid result (``err.result``) and the checkpoint keeps that state.
+        ``callback(state, entry)`` receives the private state and the public history entry.
+        ``track_epsilon``: also record the ledger's epsilon after every round in the history (one
+        accountant call per distinct client plan per round; otherwise epsilon is computed on demand).
         """
         if int(rounds) != rounds or rounds < 0:
             raise ValueError(f"rounds must be a non-negative integer, got {rounds!r}")
@@ -319,81 +398,118 @@ class DPPVI:
             state = self.init(rng_key, clients)
         else:
             if self.adapter is None:
-                self._setup(clients)
+                raise RuntimeError("resume through fit_dppvi(..., resume=path), or call init first")
             if self.privacy is not None:
                 if ledger is None:
-                    raise ValueError("resuming a private fit needs its ledger (result.privacy) so spent budget is kept")
+                    raise ValueError("resuming a private fit needs its ledger so spent budget is kept")
                 self.ledger = ledger
         history = list(history or [])
+        private_history = list(private_history or [])
         eval_arrays = None if eval_data is None else self.adapter.validate_data(eval_data, "eval_data")
         eval_key = jax.random.fold_in(jax.random.wrap_key_data(state.key), 0x5EED)
+        limits = self.limits(state, rounds)
         iterator = range(int(rounds))
         if progress:
-            from tqdm.auto import tqdm
+            from tqdm.auto import tqdm  # optional display
             iterator = tqdm(iterator, desc=f"{self.method}/{self.schedule}", unit="round")
         for _ in iterator:
             start = time.perf_counter()
             try:
-                state, metrics = self.round(state)
+                state, metrics = self.round(state, limits)
             except FloatingPointError as exc:
-                last = DPPVIResult(self.adapter, state, history, method=self.method, schedule=self.schedule,
-                                   privacy=self.ledger, config=self.config())
-                raise FitDiverged(str(exc), last) from exc
+                raise FitDiverged(str(exc), self._result(state, history)) from exc
             jax.block_until_ready(state.q)
-            entry = {"round": int(state.round), "communications": int(state.communications),
-                     "participated": np.asarray(metrics["participated"]).tolist(),
-                     "seconds": time.perf_counter() - start}
-            if self.ledger is not None:
-                entry["epsilon"] = self.ledger.epsilon
-                if metrics["stopped"]:
-                    entry["stopped"] = metrics["stopped"]
-            if "invalid" in metrics:
-                entry["invalid_updates"] = int(np.sum(np.asarray(metrics["invalid"])))
-            if metrics["rejected_round"]:
-                entry["rejected_round"] = True
-            if "failed" in metrics and np.any(np.asarray(metrics["failed"])):
-                entry["failed"] = np.flatnonzero(np.asarray(metrics["failed"])).tolist()
-            if "order" in metrics and self.schedule == "asynchronous":
-                entry["arrivals"] = np.asarray(metrics["order"]).tolist()
+            entry, private = self._public_entry(state, metrics, time.perf_counter() - start)
             if eval_arrays is not None:
                 entry.update(evaluate(self.adapter, state.q, eval_arrays, eval_key))
+            if track_epsilon and self.ledger is not None:
+                entry["epsilon"] = self.ledger.epsilon
             history.append(entry)
+            private_history.append(private)
             if checkpoint is not None:
-                DPPVIResult(self.adapter, state, history, method=self.method, schedule=self.schedule,
-                            privacy=self.ledger, config=self.config()).save(checkpoint)
+                self.save_checkpoint(checkpoint, state, history, private_history, hmac_key)
             if callback is not None:
                 callback(state, entry)
-        return DPPVIResult(self.adapter, state, history, method=self.method, schedule=self.schedule,
-                           privacy=self.ledger, config=self.config())
+        return self._result(state, history)
 
-    def config(self) -> dict:
-        out = {"method": self.method, "schedule": self.schedule, "local_steps": self.local_steps,
-               "batch_size": self.batch_size, "num_samples": self.num_samples, "damping": self.damping}
-        if self.method in UPDATE_METHODS:
-            out.update(shards=[int(k) for k in self.num_shards], invalid=self.invalid,
-                       trusted_aggregator=self.trusted_aggregator)
-        if self.plan is not None:
-            out.update(noise_multiplier=[float(z) for z in self.plan.noise_multipliers], clip=self.privacy.clip,
-                       sampling=self.privacy.sampling, neighbouring=self.privacy.neighbouring,
-                       planned_rounds=self.planned_rounds, privacy_unit=self.privacy_unit)
-        return out
+    def resume(self, path, clients, rounds: int, hmac_key: bytes | None = None, rng_key=None,
+               **run_options) -> DPPVIResult:
+        """Continue the fit saved in the private checkpoint ``path`` until ``rounds`` rounds in total.
+
+        Refuses a checkpoint whose settings (method, schedule, shards, clip, relation, sampling,
+        accountant, delta, noise multiplier, ...) differ from this driver's, or whose data
+        fingerprint does not match ``clients``. The fit continues with the checkpoint's own key;
+        ``rng_key``, if given, must be that key.
+        """
+        arrays, meta = checkpoints.load(path, hmac_key=hmac_key)
+        if meta.get("kind") != "DPPVICheckpoint" or meta.get("format") != CHECKPOINT_FORMAT:
+            raise ValueError(f"{path} is not a DPPVI private checkpoint (format {CHECKPOINT_FORMAT}); a published "
+                             "result cannot be resumed (it holds no state)")
+        saved = meta["settings"]
+        if saved.get("planned_rounds") is not None and self.planned_rounds != saved["planned_rounds"]:
+            self.planned_rounds = saved["planned_rounds"]  # the noise was calibrated for the original plan
+        key_data = jnp.asarray(arrays[".key"])
+        if rng_key is not None and not np.array_equal(np.asarray(keys.key_data(rng_key)), np.asarray(key_data)):
+            raise ValueError(f"rng_key differs from the key of the fit saved in {path}; a resumed fit continues "
+                             "with its own key: drop rng_key")
+        template = self._init(key_data, meta.get("seed", "unspecified"), clients)
+        mine = self.settings()
+        changed = [name for name in RESUME_SETTINGS if _json(mine.get(name)) != _json(saved.get(name))]
+        if changed:
+            detail = "; ".join(f"{n}: saved {saved.get(n)!r}, now {mine.get(n)!r}" for n in changed)
+            raise ValueError(f"{path} was fitted with other settings, so its ledger would count the wrong releases; "
+                             f"resume with exactly the saved settings ({detail})")
+        ledger = None
+        saved_result = meta["result"]
+        if self.privacy is not None:
+            if saved_result.get("privacy") is None:
+                raise ValueError(f"{path} holds a non-private fit; it cannot be resumed with privacy")
+            ledger = PrivacyLedger.from_dict(saved_result["privacy"])
+            expected = self.privacy.ledger(self.num_clients, self.trusted_aggregator, seed=ledger.seed)
+            for name in ("delta", "neighbouring", "accountant", "trusted_aggregator", "num_clients"):
+                if getattr(ledger, name) != getattr(expected, name):
+                    raise ValueError(f"{path}: the stored ledger has {name}={getattr(ledger, name)!r} but this fit "
+                                     f"uses {getattr(expected, name)!r}; resume with the saved privacy settings")
+        if keys.keyed_fingerprint(key_data, self.clients) != meta["fingerprint"]:
+            raise ValueError(f"{path} was fitted on other client data; resume it with the same clients in the same order")
+        state = checkpoints.unflatten_like(template, arrays)
+        done = int(state.round)
+        if done > rounds:
+            raise ValueError(f"{path} already ran {done} rounds, more than rounds={rounds}")
+        return self.run(None, clients, rounds - done, state=state, history=saved_result["history"], ledger=ledger,
+                        private_history=meta["private_history"], hmac_key=hmac_key, **run_options)
+
+
+def _json(value):
+    """Normalise a settings value for comparison (tuples vs lists, ints vs floats)."""
+    import json
+
+    return json.dumps(value, sort_keys=True, default=str)
 
 
 def fit_dppvi(model, clients, *, method: str = "pvi", schedule: str = "synchronous", rounds: int = 10,
               local_steps: int = 10, batch_size: int | None = None, num_samples: int = 10,
               optimizer: optax.GradientTransformation | None = None, damping: float = 1.0,
               rng_key=None, eval_data=None, callback=None, progress: bool = False,
-              server_steps: int = 50, privacy=None, checkpoint=None, resume=None, **options) -> DPPVIResult:
-    """Fit a ``@dppvi.model`` to federated ``clients`` with (DP-)PVI; the one-call form of :class:`DPPVI`.
+              server_steps: int = 50, privacy=None, checkpoint=None, resume=None, hmac_key: bytes | None = None,
+              track_epsilon: bool = False, **options) -> DPPVIResult:
+    """Fit a NumPyro model to federated ``clients`` with (DP-)PVI; the one-call form of :class:`DPPVI`.
 
     ``method="dp_optimisation"`` with ``privacy=Privacy(epsilon=..., delta=..., clip=...)`` calibrates
     the noise so that every client's releases over ``rounds`` rounds meet the budget; the result's
     ``privacy`` ledger reports what was spent. ``options`` are the remaining :class:`DPPVI` arguments
     (``shards``, ``invalid``, ``precision_floor``, ``trusted_aggregator``, ``privacy_unit``, ``client_rate``).
 
-    ``checkpoint=path`` saves the fit after every round; ``resume=path`` continues a saved fit (same
-    model, clients and settings) up to ``rounds`` rounds in total, with its privacy ledger: a resumed
-    fit gives the same result as an uninterrupted one and never re-spends or forgets budget.
+    ``rng_key``: leave it out for a private fit. The fit then draws its key from the operating system
+    and the noise cannot be recomputed by anyone. A key you pass makes the fit reproducible, and the
+    guarantee then rests on that key staying secret (the ledger records which kind of seed was used).
+
+    ``checkpoint=path`` writes a **private checkpoint** after every round (it holds the secret key and
+    the clients' private states; never publish it); ``resume=path`` continues it, with the same model,
+    clients and settings, up to ``rounds`` rounds in total, with its privacy ledger: a resumed fit
+    gives the same result as an uninterrupted one and never re-spends or forgets budget. Publish
+    ``result.save(path)``, which holds only differentially private outputs. ``hmac_key`` (bytes)
+    authenticates the checkpoint so that a tampered one is refused.
 
     ``method="vips"``: federated VIPS for conjugate-exponential models (a ``ConjugateModel`` or a
     NumPyro model matching a supported pattern): exact local steps, each client releasing its clipped,
@@ -401,27 +517,24 @@ def fit_dppvi(model, clients, *, method: str = "pvi", schedule: str = "synchrono
     (see :func:`numpyro_dppvi.vips.federated_fit.fit_federated_vips`).
     """
     if method == "vips":
-        from ..vips.federated_fit import fit_federated_vips
+        from ..vips.federated_fit import fit_federated_vips  # vips sits above pvi: imported on use only
 
         unknown = set(options) - {"trusted_aggregator", "detect_options"}
         if unknown:
-            raise ValueError(f"method='vips' does not take {sorted(unknown)}")
+            raise ValueError(f"fit_dppvi(method='vips') does not take {sorted(unknown)}")
         return fit_federated_vips(model, clients, privacy=privacy, rounds=rounds, schedule=schedule, damping=damping,
                                   rng_key=rng_key, **options)
+    unknown = set(options) - {"shards", "invalid", "precision_floor", "trusted_aggregator", "privacy_unit",
+                              "client_rate"}
+    if unknown:
+        hint = " (a privacy budget goes in privacy=dppvi.Privacy(epsilon=..., delta=...))" if unknown & {
+            "epsilon", "delta", "clip", "noise_multiplier"} else ""
+        raise TypeError(f"fit_dppvi() got unexpected option(s) {sorted(unknown)}{hint}")
     driver = DPPVI(model, method=method, schedule=schedule, optimizer=optimizer, local_steps=local_steps,
                    batch_size=batch_size, num_samples=num_samples, damping=damping, server_steps=server_steps,
                    privacy=privacy, rounds=rounds, **options)
-    rng_key = jax.random.key(0) if rng_key is None else rng_key
     if resume is not None:
-        template = driver.init(rng_key, clients)
-        saved = DPPVIResult.load(resume, model, template_state=template)
-        if saved.config.get("method") != method or saved.config.get("schedule") != schedule:
-            raise ValueError(f"{resume} holds a {saved.config.get('method')}/{saved.config.get('schedule')} fit; "
-                             f"resume it with the same method and schedule (asked: {method}/{schedule})")
-        done = int(saved.state.round)
-        if done > rounds:
-            raise ValueError(f"{resume} already ran {done} rounds, more than rounds={rounds}")
-        return driver.run(None, clients, rounds - done, eval_data=eval_data, callback=callback, progress=progress,
-                          state=saved.state, history=saved.history, ledger=saved.privacy, checkpoint=checkpoint)
+        return driver.resume(resume, clients, rounds, hmac_key=hmac_key, rng_key=rng_key, eval_data=eval_data,
+                             callback=callback, progress=progress, checkpoint=checkpoint, track_epsilon=track_epsilon)
     return driver.run(rng_key, clients, rounds, eval_data=eval_data, callback=callback, progress=progress,
-                      checkpoint=checkpoint)
+                      checkpoint=checkpoint, hmac_key=hmac_key, track_epsilon=track_epsilon)

@@ -22,6 +22,9 @@ import optax
 
 from .. import factors, objectives
 from ..factors import Gaussian
+from ..privacy.adaptive_clip import adaptive_clip_update
+from ..privacy.mechanisms import add_gaussian_noise, clipped_sum
+from ..privacy.sampling import poisson_batch, without_replacement_batch
 
 
 def uniform_batch(key: jax.Array, mask: jax.Array, batch_size: int) -> tuple[jax.Array, jax.Array]:
@@ -158,8 +161,6 @@ class DPOptimisation(NonPrivate):
     def batch(self, key, arrays, mask, n):
         """The accounted sampler: Poisson at rate ``batch_size / n`` in a pad of ``max_batch``, or
         exactly ``batch_size`` rows without replacement; returns ``(rows, batch_mask)``."""
-        from ..privacy.sampling import poisson_batch, without_replacement_batch
-
         if self.sampling == "poisson":
             idx, bmask = poisson_batch(key, mask, self.batch_size / n, self.max_batch)
         else:
@@ -172,8 +173,6 @@ class DPOptimisation(NonPrivate):
 
     def clipped_sum_and_norms(self, params, eps, rows, bmask, clip=None):
         """:meth:`clipped_sum` and the unclipped per-example norms (for adaptive clipping)."""
-        from ..privacy.mechanisms import clipped_sum
-
         per_example = objectives.per_example_log_lik_grads(self.log_lik_row, params, eps, rows, self.blocks)
         summed, norms = clipped_sum(per_example, self.clip if clip is None else clip, bmask)
         return summed, norms
@@ -187,9 +186,6 @@ class DPOptimisation(NonPrivate):
         ``C_t`` on the same batch updates it; the pair is one accounted release
         (``privacy.adaptive_clip``).
         """
-        from ..privacy.adaptive_clip import adaptive_clip_update
-        from ..privacy.mechanisms import gaussian_noise_like
-
         k_batch, k_eps, k_noise, k_count = jax.random.split(key, 4)
         rows, bmask = self.batch(k_batch, arrays, mask, n)
         eps = jax.random.normal(k_eps, (self.num_samples, self.dim))
@@ -197,9 +193,9 @@ class DPOptimisation(NonPrivate):
         clip = client_state["clip"].clip if adaptive else None
         summed, norms = self.clipped_sum_and_norms(params, eps, rows, bmask, clip)
         std = client_state["noise_per_clip"] * clip if adaptive else client_state["noise_std"]
-        noise = jax.tree.map(lambda z: std * z, gaussian_noise_like(k_noise, summed, 1.0))
+        noisy = add_gaussian_noise(k_noise, summed, std)
         prior_value, prior_grad = jax.value_and_grad(lambda p: objectives.cavity_term(p, cavity) / n)(params)
-        grads = jax.tree.map(lambda s, z, pg: -((s + z) / self.batch_size + pg), summed, noise, prior_grad)
+        grads = jax.tree.map(lambda s, pg: -(s / self.batch_size + pg), noisy, prior_grad)
         if adaptive:
             client_state = dict(client_state, clip=adaptive_clip_update(client_state["clip"], norms, bmask, k_count))
         return grads, -prior_value, client_state

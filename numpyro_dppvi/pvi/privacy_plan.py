@@ -1,28 +1,39 @@
 """What each client of a private fit releases, how it is accounted, and the noise it adds.
 
 A plan turns ``Privacy`` (a budget or a noise multiplier) and the fit's shape (client sizes, rounds,
-local steps) into: one :class:`~numpyro_dppvi.privacy.GaussianEvent` per participation of a client,
-the calibrated noise multiplier of every client (user units: noise std / clip), and the per-client
-stop thresholds. The engine records exactly these events for exactly the releases it makes.
+local steps, the number of noise coordinates) into: one :class:`~numpyro_dppvi.privacy.GaussianEvent`
+per participation of a client, the calibrated noise multiplier of every client (user units: noise
+std / clip), and the largest number of participations each client's budget allows (the stop rule,
+checked inside the compiled round). The engine records exactly these events for exactly the
+releases it makes.
 
 * DP optimisation (DESIGN §5.1): ``local_steps`` subsampled releases per participation at rate
   ``q_m = batch / n_m``, sensitivity of a sum of clipped per-example gradients; each client's noise is
   calibrated to its own rate.
-* Update perturbation (DESIGN §5.2): one release per participation, rate 1, sensitivity ``2C``
-  (a clipped update of a fixed shard), a single noise multiplier for all clients.
+* Update perturbation (DESIGN §5.2): one release per participation, rate 1, a single noise multiplier
+  for all clients; sensitivity ``2C`` with hashed shards, ``C`` (add/remove) with one record per shard
+  (:mod:`.shards`).
 * Client-level DP (DESIGN §5.3): the unit is a client; one release per round, clients Poisson-subsampled
   at ``client_rate``, sensitivity of a sum of clipped client updates; every client is charged every
   round (it may be sampled).
+
+Sizes are public (docs/privacy.md, "Threat model"): the rates, pads and shard counts derived from them
+are settings of the mechanism, fixed when the plan is made.
 """
 
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass
 
 import numpy as np
 
 from ..privacy import GaussianEvent, Privacy, sensitivity
+from ..privacy import backends
 from ..privacy.sampling import poisson_overflow_probability, poisson_pad_size
+
+#: ``limits`` value of a client without a budget cap.
+UNLIMITED = 2**30
 
 
 @dataclass
@@ -32,8 +43,10 @@ class PrivacyPlan:
     steps_per_participation: int
     rates: np.ndarray
     overflow: np.ndarray
+    dimension: int  # noise coordinates drawn per release
     noise_multipliers: np.ndarray = None
     max_batch: int = 0
+    sensitivity_kind: str = "sum_of_records"  # of a shard release: "shard_update" (hashed shards) or per record
 
     def event(self, m: int, participations: int, noise_multiplier: float | None = None) -> GaussianEvent:
         """The event of ``participations`` participations of client ``m``."""
@@ -41,8 +54,9 @@ class PrivacyPlan:
         count = int(self.steps_per_participation * participations)
         p = self.privacy
         if self.kind == "shard_update":
-            return GaussianEvent(z * p.clip / sensitivity(p.clip, p.neighbouring, "shard_update"), "none", 1.0, count)
-        return p.step_event(z, float(self.rates[m]), count, float(self.overflow[m]))
+            event_nm = z * p.clip / sensitivity(p.clip, p.neighbouring, self.sensitivity_kind)
+            return GaussianEvent(event_nm, "none", 1.0, count, dimension=self.dimension)
+        return p.step_event(z, float(self.rates[m]), count, float(self.overflow[m]), self.dimension)
 
     def calibrate(self, rounds: int | None) -> None:
         """Noise multiplier per client for the planned ``rounds`` (clients with equal plans share one)."""
@@ -74,12 +88,61 @@ class PrivacyPlan:
             return np.full(num_clients, p.epsilon)
         return p.epsilon_max_per_client(num_clients)
 
+    def limits(self, ledger, participations, horizon: int) -> np.ndarray:
+        """``[M]`` int: the largest total participation count each client's budget allows, searched up
+        to ``horizon`` more participations than ``participations`` (the counts already charged, whose
+        events are in ``ledger``); :data:`UNLIMITED` without a cap or when the horizon fits.
 
-def dp_sgd_plan(privacy: Privacy, sizes, batch_size: int, local_steps: int, rounds: int | None) -> PrivacyPlan:
+        A client may take part once more while ``epsilon(ledger events + next participation)`` stays
+        within ``epsilon_max * (1 + 1e-9)``. Epsilon is monotone in the count, so a bisection needs
+        ``log2(horizon)`` accountant calls per distinct (plan, ledger) pair; usually one call (the
+        whole horizon fits, which calibration to the same budget guarantees).
+        """
+        caps = self.epsilon_max(len(self.rates))
+        out = np.full(len(self.rates), UNLIMITED, dtype=np.int64)
+        solved: dict[tuple, int] = {}
+        for m, cap in enumerate(caps):
+            if not math.isfinite(cap):
+                continue
+            base = ledger.events(m)
+            key = (tuple(sorted(e.mechanism + (e.count,) for e in base)), self.event(m, 1).mechanism, float(cap))
+            if key not in solved:
+                solved[key] = _largest_count(lambda k: self._epsilon(ledger, base, m, k), cap * (1 + 1e-9), horizon)
+            k = solved[key]
+            out[m] = UNLIMITED if k >= horizon else int(participations[m]) + k
+        return out
+
+    def _epsilon(self, ledger, base, m, k):
+        events = tuple(base) + ((self.event(m, k),) if k > 0 else ())
+        if not events:
+            return 0.0
+        return backends.epsilon(events, ledger.delta, ledger.neighbouring, ledger.accountant)
+
+
+def _largest_count(epsilon_of, cap: float, horizon: int) -> int:
+    """Largest ``k`` in ``[0, horizon]`` with ``epsilon_of(k) <= cap`` (``epsilon_of`` increasing)."""
+    if epsilon_of(horizon) <= cap:
+        return horizon
+    if epsilon_of(0) > cap:
+        return 0
+    lo, hi = 0, horizon  # epsilon_of(lo) <= cap < epsilon_of(hi)
+    while hi - lo > 1:
+        mid = (lo + hi) // 2
+        if epsilon_of(mid) <= cap:
+            lo = mid
+        else:
+            hi = mid
+    return lo
+
+
+def dp_sgd_plan(privacy: Privacy, sizes, batch_size: int, local_steps: int, rounds: int | None,
+                dimension: int) -> PrivacyPlan:
     sizes = np.asarray(sizes, int)
     if np.any(batch_size >= sizes):
-        raise ValueError(f"batch_size={batch_size} must be smaller than every client's size "
-                         f"(smallest: {sizes.min()}) so that batches are subsampled; lower batch_size")
+        small = np.flatnonzero(batch_size >= sizes)
+        raise ValueError(f"fit_dppvi(method='dp_optimisation'): batch_size={batch_size} is not smaller than "
+                         f"client(s) {small.tolist()} (sizes {sizes[small].tolist()}), so their batches would not be "
+                         f"subsampled; use batch_size <= {max(int(sizes.min()) // 2, 1)} or merge the small clients")
     rates = batch_size / sizes
     if privacy.sampling == "poisson":
         steps = local_steps * (rounds or 1)
@@ -87,22 +150,28 @@ def dp_sgd_plan(privacy: Privacy, sizes, batch_size: int, local_steps: int, roun
         overflow = np.array([poisson_overflow_probability(int(n), float(q), max_batch) for n, q in zip(sizes, rates)])
     else:
         max_batch, overflow = batch_size, np.zeros(len(sizes))
-    plan = PrivacyPlan(privacy, "dp_sgd", local_steps, rates, overflow, max_batch=int(max_batch))
+    if privacy.adaptive_clip is not None:
+        dimension += 1  # the noisy count of the private quantile estimate
+    plan = PrivacyPlan(privacy, "dp_sgd", local_steps, rates, overflow, dimension, max_batch=int(max_batch))
     plan.calibrate(rounds)
     return plan
 
 
-def shard_update_plan(privacy: Privacy, num_clients: int, rounds: int | None) -> PrivacyPlan:
-    plan = PrivacyPlan(privacy, "shard_update", 1, np.ones(num_clients), np.zeros(num_clients))
+def shard_update_plan(privacy: Privacy, num_clients: int, rounds: int | None, dimension: int,
+                      one_record_per_shard: bool) -> PrivacyPlan:
+    kind = "sum_of_records" if one_record_per_shard else "shard_update"
+    plan = PrivacyPlan(privacy, "shard_update", 1, np.ones(num_clients), np.zeros(num_clients), dimension,
+                       sensitivity_kind=kind)
     plan.calibrate(rounds)
     return plan
 
 
-def client_level_plan(privacy: Privacy, num_clients: int, rounds: int | None, client_rate: float) -> PrivacyPlan:
+def client_level_plan(privacy: Privacy, num_clients: int, rounds: int | None, client_rate: float,
+                      dimension: int) -> PrivacyPlan:
     if not (0.0 < client_rate <= 1.0):
         raise ValueError(f"client_rate must be in (0, 1], got {client_rate}")
     if client_rate < 1.0 and privacy.sampling != "poisson":
         raise ValueError("client subsampling is Poisson sampling over clients; use Privacy(sampling='poisson')")
-    plan = PrivacyPlan(privacy, "client", 1, np.full(num_clients, client_rate), np.zeros(num_clients))
+    plan = PrivacyPlan(privacy, "client", 1, np.full(num_clients, client_rate), np.zeros(num_clients), dimension)
     plan.calibrate(rounds)
     return plan

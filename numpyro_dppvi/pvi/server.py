@@ -1,7 +1,9 @@
 """PVI server: the state, and one round under each schedule (DESIGN §4).
 
-Global posterior ``eta_q = eta_prior + eta_t0 + sum_m eta_t_m`` (natural parameters). A client's
-cavity is ``eta_q - eta_t_m``; its update ``q_new`` becomes the damped change
+Global posterior ``eta_q = eta_prior + eta_t0 + sum_m eta_t_m + eta_t_noise`` (natural parameters).
+``t_noise`` is zero except with a trusted aggregator or client-level DP, where it holds the server's
+aggregate noise (see :func:`client_level` and :func:`.update_perturbation.trusted_aggregator_round`).
+A client's cavity is ``eta_q - eta_t_m``; its update ``q_new`` becomes the damped change
 ``delta_m = rho (eta(q_new) - eta(q_m))`` of its factor, ``eta_t_m += delta_m`` and
 ``eta_q += delta_m`` (Heikkila et al. 2023, Algorithm 1; Ashman et al. 2022, Algorithm 1).
 
@@ -14,6 +16,11 @@ Schedules:
   (Sharma et al. 2019, §3); an arriving client computed its update against the ``q`` it received at
   its previous exchange (``q_seen``, possibly stale); the server applies the change on arrival and
   sends the current ``q`` back.
+
+Privacy budgets are checked inside the compiled round: ``state.participations[m]`` counts the
+participations charged to client ``m`` and ``limits[m]`` is the largest count its budget allows
+(precomputed from the plan, :mod:`.privacy_plan`). A client whose next participation would pass its
+limit stops for good before it releases anything.
 
 One exchange (server sends ``q`` to a client and receives one change) is one communication.
 Sequential and asynchronous rounds are one ``lax.scan`` over arrivals; everything is jitted by the
@@ -29,22 +36,28 @@ import jax.numpy as jnp
 
 from .. import factors
 from ..factors import Gaussian
+from ..privacy.mechanisms import add_gaussian_noise
+from ..privacy.sampling import inclusion_threshold
+from .update_perturbation import apply_invalid_rule, clip_change
 
 SCHEDULES = ("sequential", "synchronous", "asynchronous")
 
 
 class PVIState(NamedTuple):
-    """Everything a fit needs to continue: a pytree of arrays (saved and resumed as is)."""
+    """Everything a fit needs to continue: a pytree of arrays. **Private**: it holds the fit's key
+    and every client's private state; it goes only into the private checkpoint."""
 
     q: Gaussian  # [D]
     factors: Gaussian  # [M, D]
     server_factor: Gaussian  # [D]; zero on coordinates with an exact Gaussian prior
+    noise_factor: Gaussian  # [D]; the server-held aggregate noise (trusted aggregator, client-level DP)
     q_seen: Gaussian  # [M, D]: the q each client received last (asynchronous schedule)
     client_state: Any  # per-client state of the local rule, stacked on axis 0
-    key: jax.Array  # base PRNG key (raw uint32 key data)
+    key: jax.Array  # base PRNG key (raw uint32 key data): secret
     round: jax.Array  # int32: rounds completed
     communications: jax.Array  # int32: exchanges so far
     active: jax.Array  # [M] bool: clients still contributing
+    participations: jax.Array  # [M] int32: participations charged to each client's budget
 
 
 def round_key(state: PVIState) -> jax.Array:
@@ -52,36 +65,53 @@ def round_key(state: PVIState) -> jax.Array:
     return jax.random.fold_in(jax.random.wrap_key_data(state.key), state.round)
 
 
-def _broadcast(g: Gaussian, m: int) -> Gaussian:
+def broadcast(g: Gaussian, m: int) -> Gaussian:
     return Gaussian(jnp.broadcast_to(g.eta1, (m,) + g.eta1.shape), jnp.broadcast_to(g.eta2, (m,) + g.eta2.shape))
 
 
-def _select(flag, a: Gaussian, b: Gaussian) -> Gaussian:
-    return Gaussian(jnp.where(flag, a.eta1, b.eta1), jnp.where(flag, a.eta2, b.eta2))
+def within_budget(state: PVIState, limits, extra=1):
+    """``[M]`` bool: active clients whose budget allows ``extra`` more participations."""
+    return state.active & (state.participations + extra <= limits)
 
 
-def synchronous(rule, damping, state: PVIState, data, mask, sizes, key):
+def charge(state: PVIState, participating) -> PVIState:
+    """Charge one participation to each participating client."""
+    return state._replace(participations=state.participations + participating.astype(jnp.int32))
+
+
+def stop_over_budget(state: PVIState, limits):
+    """Deactivate the active clients that cannot afford one more participation; returns
+    ``(state, stopped [M] bool)``."""
+    stopped = state.active & ~within_budget(state, limits)
+    return state._replace(active=state.active & ~stopped), stopped
+
+
+def synchronous(rule, damping, state: PVIState, data, mask, sizes, key, limits):
     """One synchronous round; returns ``(state, metrics)`` (``metrics["valid"]`` flags trouble)."""
     m = sizes.shape[0]
+    state, stopped = stop_over_budget(state, limits)
     q = state.q
-    cavities = factors.divide(_broadcast(q, m), state.factors)
+    cavities = factors.divide(broadcast(q, m), state.factors)
     keys = jax.vmap(lambda i: jax.random.fold_in(key, i))(jnp.arange(m))
     q_new, client_state, metrics = jax.vmap(rule.update, in_axes=(None, 0, 0, 0, 0, 0, 0))(
         q, cavities, data, mask, sizes, keys, state.client_state
     )
-    failed = state.active & ~jax.vmap(_finite)(q_new)  # a client whose update is non-finite is dropped
+    # A non-finite q_new (a local optimisation that diverged on the client's released, noisy
+    # gradients, or a non-private step) is dropped: post-processing of the releases.
+    failed = state.active & ~jax.vmap(_finite)(q_new)
     ok = state.active & ~failed
-    delta = Gaussian(*(jnp.where(ok[:, None], damping * (new - q_), 0.0) for new, q_ in zip(q_new, _broadcast(q, m))))
+    delta = Gaussian(*(jnp.where(ok[:, None], damping * (new - q_), 0.0) for new, q_ in zip(q_new, broadcast(q, m))))
     new_factors = factors.multiply(state.factors, delta)
     new_q = factors.multiply(q, factors.product(delta))
     client_state = jax.tree.map(lambda new, old: jnp.where(_expand(ok, new), new, old), client_state, state.client_state)
     cavity_ok = jax.vmap(factors.is_proper)(cavities) | ~state.active | (not getattr(rule, "uses_client_cavity", True))
     valid = jnp.all(cavity_ok) & factors.is_proper(new_q)
-    new_state = state._replace(
-        q=new_q, factors=new_factors, q_seen=_broadcast(new_q, m), client_state=client_state,
+    new_state = charge(state, state.active)._replace(
+        q=new_q, factors=new_factors, q_seen=broadcast(new_q, m), client_state=client_state,
         round=state.round + 1, communications=state.communications + jnp.sum(state.active),
     )
-    out = {"valid": valid, "loss": metrics["loss"], "participated": state.active, "failed": failed}
+    out = {"valid": valid, "loss": metrics["loss"], "participated": state.active, "failed": failed,
+           "stopped": stopped}
     if "invalid" in metrics:
         out["invalid"] = metrics["invalid"] & state.active
     return new_state, out
@@ -95,46 +125,52 @@ def _expand(flag, x):
     return jnp.reshape(flag, flag.shape + (1,) * (x.ndim - flag.ndim))
 
 
-def arrivals(rule, damping, state: PVIState, data, mask, sizes, key, order, stale: bool):
+def arrivals(rule, damping, state: PVIState, data, mask, sizes, key, order, limits, stale: bool):
     """Clients arrive one after another in ``order`` (sequential: ``arange(M)``; asynchronous: drawn).
 
     With ``stale=True`` a client computes against ``q_seen[m]`` (asynchronous); otherwise against
-    the current ``q`` (sequential).
+    the current ``q`` (sequential). An arrival whose client cannot afford one more participation
+    stops that client instead (it releases nothing).
     """
 
     def arrive(carry, step):
-        q, fac, seen, cstate, valid = carry
+        q, fac, seen, cstate, valid, active, counts = carry
         i, m = step
+        afford = active[m] & (counts[m] + 1 <= limits[m])
+        stop = active[m] & ~afford
+        active = active.at[m].set(afford)
         t_m = jax.tree.map(lambda a: a[m], fac)
         start = jax.tree.map(lambda a: a[m], seen) if stale else q
         cavity = factors.divide(start, t_m)
         rows = jax.tree.map(lambda a: a[m], data)
         cs = jax.tree.map(lambda a: a[m], cstate)
         q_new, cs_new, metrics = rule.update(start, cavity, rows, mask[m], sizes[m], jax.random.fold_in(key, i), cs)
-        failed = state.active[m] & ~_finite(q_new)  # a non-finite update is dropped
-        act = state.active[m] & ~failed
+        failed = afford & ~_finite(q_new)  # post-processing of the client's releases
+        act = afford & ~failed
         delta = Gaussian(*(jnp.where(act, damping * (new - old), 0.0) for new, old in zip(q_new, start)))
         q_next = factors.multiply(q, delta)
         fac = jax.tree.map(lambda a, d: a.at[m].add(d), fac, delta)
-        seen = jax.tree.map(lambda a, v: a.at[m].set(v), seen, q_next)
+        seen = jax.tree.map(lambda a, v: a.at[m].set(jnp.where(afford, v, a[m])), seen, q_next)
         cstate = jax.tree.map(lambda a, v: a.at[m].set(jnp.where(act, v, a[m])), cstate, cs_new)
+        counts = counts.at[m].add(afford.astype(jnp.int32))
         cavity_ok = factors.is_proper(cavity) | (not getattr(rule, "uses_client_cavity", True))
         valid = valid & ((cavity_ok & factors.is_proper(q_next)) | ~act)
         invalid = metrics.get("invalid", jnp.zeros((), bool)) & act
-        return (q_next, fac, seen, cstate, valid), (metrics["loss"], act | failed, invalid, failed)
+        return (q_next, fac, seen, cstate, valid, active, counts), (metrics["loss"], afford, invalid, failed, stop)
 
-    init = (state.q, state.factors, state.q_seen, state.client_state, jnp.array(True))
-    (q, fac, seen, cstate, valid), (loss, act, invalid, failed) = jax.lax.scan(
+    init = (state.q, state.factors, state.q_seen, state.client_state, jnp.array(True), state.active,
+            state.participations)
+    (q, fac, seen, cstate, valid, active, counts), (loss, took_part, invalid, failed, stop) = jax.lax.scan(
         arrive, init, (jnp.arange(order.shape[0]), order)
     )
     new_state = state._replace(
         q=q, factors=fac, q_seen=seen, client_state=cstate, round=state.round + 1,
-        communications=state.communications + jnp.sum(act),
+        communications=state.communications + jnp.sum(took_part), active=active, participations=counts,
     )
-    participated = jnp.zeros(sizes.shape[0], bool).at[order].max(act)
-    failed_clients = jnp.zeros(sizes.shape[0], bool).at[order].max(failed)
-    return new_state, {"valid": valid, "loss": loss, "participated": participated, "order": order, "invalid": invalid,
-                       "failed": failed_clients}
+    m = sizes.shape[0]
+    per_client = lambda flags: jnp.zeros(m, bool).at[order].max(flags)
+    return new_state, {"valid": valid, "loss": loss, "participated": per_client(took_part), "order": order,
+                       "invalid": invalid, "failed": per_client(failed), "stopped": per_client(stop)}
 
 
 def arrival_order(key, sizes, active, num_arrivals: int):
@@ -154,42 +190,62 @@ def refine_server_factor(step, state: PVIState, key) -> PVIState:
     return state._replace(
         q=q_new,
         server_factor=factors.multiply(state.server_factor, delta),
-        q_seen=Gaussian(*(s + d for s, d in zip(state.q_seen, _broadcast(delta, m)))),
+        q_seen=Gaussian(*(s + d for s, d in zip(state.q_seen, broadcast(delta, m)))),
     )
 
 
-def client_level(rule, damping, state: PVIState, data, mask, sizes, key, clip, noise_std, client_rate):
+def client_sample(key, active, rate):
+    """Poisson sample of clients: each active client independently with probability ``q' <= rate``,
+    decided on 32 random bits (:func:`~numpyro_dppvi.privacy.sampling.inclusion_threshold`), so float
+    rounding never samples above the accounted rate (a float32 ``uniform < 0.1`` samples at
+    0.1000000238)."""
+    bits = jax.random.bits(key, active.shape, dtype=jnp.uint32)
+    return active & (bits < inclusion_threshold(rate))
+
+
+def client_level(rule, damping, state: PVIState, data, mask, sizes, key, limits, clip, noise_std, client_rate,
+                 invalid_rule="reject", precision_floor=1e-3):
     """Synchronous round with client-level DP (Liu 2019, §3.3; DESIGN §5.3).
 
-    Clients take part independently with probability ``client_rate`` (Poisson over clients). Each
-    participant's change ``Delta_m = eta(q_m) - eta(q)`` is clipped jointly to norm ``C``; the server
-    adds ``xi ~ N(0, noise_std^2 I)`` once to the sum and gives every participant the share
-    ``clip(Delta_m) + xi / |P|``, so ``t_m += rho (clip(Delta_m) + xi / |P|)`` and
-    ``q += rho (sum_m clip(Delta_m) + xi)``: ``q = prior * t_0 * prod_m t_m`` stays exact.
-    Sensitivity: adding or removing one client's whole data changes the sum by at most ``C``
-    (replacing it: ``2C``); each client's update is otherwise post-processing of the noisy sums.
-    """
-    from .update_perturbation import clip_change
+    Clients take part independently with probability ``client_rate`` (:func:`client_sample`). Each
+    participant's change ``Delta_m = eta(q_m) - eta(q)`` is clipped jointly to norm ``C`` (a
+    non-finite change becomes zero); the server releases
+    ``A = sum_{m in P} clip(Delta_m) + xi``, ``xi ~ N(0, noise_std^2 I)`` and sets
+    ``q <- q + rho A`` (the invalid-update rule runs on this aggregate).
 
+    **The noise stays with the server**: client ``m``'s factor takes only its own clipped change,
+    ``t_m += rho clip(Delta_m)``, and the server's noise factor takes ``rho xi``, so
+    ``q = prior * t_0 * prod_m t_m * t_noise`` stays exact while a participant who knows its own
+    change learns ``sum_{j != m} clip(Delta_j) + xi`` and nothing less noisy (issue 12: giving
+    every participant ``clip(Delta_m) + xi / |P|`` let it subtract the noise exactly).
+
+    Sensitivity: adding or removing one client's whole data changes ``A`` by at most ``C``
+    (replacing it: ``2C``); every other client's change depends on its own data, its private
+    factor (no noise share) and the public ``q``. Every active client is charged every round (it
+    may be sampled); which clients were sampled, and how many, stays private.
+    """
     m = sizes.shape[0]
+    state, stopped = stop_over_budget(state, limits)
     q = state.q
     k_part, k_clients, k_noise = jax.random.split(key, 3)
-    part = state.active & (jax.random.uniform(k_part, (m,)) < client_rate)
-    cavities = factors.divide(_broadcast(q, m), state.factors)
+    part = client_sample(k_part, state.active, client_rate)
+    cavities = factors.divide(broadcast(q, m), state.factors)
     keys = jax.vmap(lambda i: jax.random.fold_in(k_clients, i))(jnp.arange(m))
     q_new, client_state, metrics = jax.vmap(rule.update, in_axes=(None, 0, 0, 0, 0, 0, 0))(
         q, cavities, data, mask, sizes, keys, state.client_state)
-    failed = part & ~jax.vmap(_finite)(q_new)
-    part = part & ~failed
     changes = jax.vmap(lambda a: clip_change(factors.divide(a, q), clip))(q_new)
     changes = Gaussian(*(jnp.where(part[:, None], c, 0.0) for c in changes))
-    k1, k2 = jax.random.split(k_noise)
-    xi = Gaussian(noise_std * jax.random.normal(k1, q.eta1.shape), noise_std * jax.random.normal(k2, q.eta2.shape))
-    count = jnp.maximum(jnp.sum(part), 1)
-    shares = Gaussian(*(jnp.where(part[:, None], c + x / count, 0.0) for c, x in zip(changes, xi)))
-    delta = factors.scale(shares, damping)
-    new_q = factors.multiply(q, factors.product(delta))
-    valid = factors.is_proper(new_q)
-    new_state = state._replace(q=new_q, factors=factors.multiply(state.factors, delta), q_seen=_broadcast(new_q, m),
-                               round=state.round + 1, communications=state.communications + jnp.sum(part))
-    return new_state, {"valid": valid, "loss": metrics["loss"], "participated": part | failed, "failed": failed}
+    released = add_gaussian_noise(k_noise, factors.product(changes), noise_std)
+    proposal, invalid = apply_invalid_rule(q, factors.multiply(q, released), damping, invalid_rule, precision_floor)
+    accepted = ~invalid if invalid_rule == "reject" else jnp.ones((), bool)
+    new_q = factors.damp(q, proposal, damping)
+    own = factors.scale(Gaussian(*(jnp.where(accepted, c, 0.0) for c in changes)), damping)
+    noise_part = factors.divide(factors.divide(new_q, q), factors.product(own))
+    client_state = jax.tree.map(lambda new, old: jnp.where(_expand(part & accepted, new), new, old),
+                                client_state, state.client_state)
+    new_state = charge(state, state.active)._replace(
+        q=new_q, factors=factors.multiply(state.factors, own),
+        noise_factor=factors.multiply(state.noise_factor, noise_part), q_seen=broadcast(new_q, m),
+        client_state=client_state, round=state.round + 1, communications=state.communications + jnp.sum(part))
+    return new_state, {"valid": factors.is_proper(new_q), "loss": metrics["loss"], "participated": part,
+                       "failed": jnp.zeros(m, bool), "invalid": invalid, "stopped": stopped}

@@ -1,9 +1,37 @@
 """Fixed local partitions ("shards") of each client's data (Heikkila et al. 2023, Algorithm 2 step 1).
 
-Client ``m`` splits its ``n_m`` rows once, at random, into ``N_m`` disjoint shards of near-equal size;
-the split never changes during a fit (local averaging keeps an optimiser state per shard; virtual
-clients keep a factor per shard). For ``vmap`` over clients and shards the rows are laid out as
-``[M, K_max, S_max, ...]`` with a mask, ``K_max = max_m N_m`` and ``S_max`` the largest shard.
+Update-perturbation methods clip one change per shard, so what one record can move is one shard's
+term, **provided no other record changes shard when that record is added, removed or replaced**.
+A seeded permutation of ``range(n)`` split into equal parts fails this under add/remove: one more
+row reshuffles every shard (issue 12: the noise-free release moved by 5C against 2C accounted).
+So a record's shard here depends on that record alone:
+
+* ``shards="rows"``: every record is its own shard ("one row per virtual client"), ``N_m = n_m``.
+* ``shards=K`` (an int) or ``shards=f`` (``N_m = f(n_m)``): record ``i`` goes to shard
+  ``floor(N_m h_i / 2^64)`` where ``h_i`` is a keyed 64-bit BLAKE2b hash of the record's own bytes
+  under a secret derived from the fit's key (:func:`numpyro_dppvi.keys.keyed_row_hashes`). To
+  anyone without the key the assignment is iid uniform over shards; shard sizes are random
+  (multinomial) and a shard may be empty (it then releases nothing).
+
+**Sensitivity of the released sum of clipped shard changes** (the number of shards ``N_m`` is a
+setting derived from the client's public size, like the sampling rate of DP-SGD: the guarantee
+compares neighbours under the same settings, docs/privacy.md "Threat model"):
+
+* hashed shards, either relation: the other records keep their shards (their hashes do not
+  change), so exactly one shard's rows change; its clipped change moves inside the ball of radius
+  ``C``: ``Delta = 2C`` (``sensitivity(C, relation, "shard_update")``);
+* one record per shard, add/remove: the record's own shard appears or disappears and no other
+  shard changes: ``Delta = C``; substitute: the record's shard changes: ``Delta = 2C``
+  (``sensitivity(C, relation, "sum_of_records")``).
+
+Each shard also carries an identity (``ids``) from which its private randomness (Monte Carlo
+draws) is keyed: its index for hashed shards, the record's keyed hash for one-record shards. So an
+unchanged shard draws the same randomness in both neighbouring data sets, and the empirical
+sensitivity tests can compare the noise-free releases of ``D`` and ``D'`` realisation by
+realisation, with the shards re-derived as the fit derives them.
+
+For ``vmap`` over clients and shards the rows are laid out as ``[M, K_max, S_max, ...]`` with a
+mask, ``K_max = max_m N_m`` and ``S_max`` the largest shard.
 """
 
 from __future__ import annotations
@@ -12,40 +40,68 @@ from typing import Callable, NamedTuple
 
 import numpy as np
 
+from ..keys import keyed_row_hashes
+
+ROWS = "rows"
+
 
 class ShardedClients(NamedTuple):
     arrays: tuple  # each [M, K_max, S_max, ...]
     mask: np.ndarray  # [M, K_max, S_max] bool
-    num_shards: np.ndarray  # [M] int: N_m
+    num_shards: np.ndarray  # [M] int: N_m (planned; may exceed the number of non-empty shards)
     sizes: np.ndarray  # [M] int: n_m
+    ids: np.ndarray  # [M, K_max] uint32: shard identities keying each shard's randomness
 
 
-def shard_counts(sizes, shards: int | Callable[[int], int]) -> np.ndarray:
-    """``N_m`` per client: a fixed int, or ``shards(n_m)`` (e.g. ``lambda n: ceil(n / 100)``)."""
+def shard_counts(sizes, shards: int | str | Callable[[int], int]) -> np.ndarray:
+    """``N_m`` per client: ``"rows"`` (``n_m``), a fixed int, or ``shards(n_m)`` (e.g. ``lambda n: ceil(n / 100)``)."""
     counts = []
     for n in np.asarray(sizes, int):
-        k = shards(int(n)) if callable(shards) else shards
-        if isinstance(k, bool) or int(k) != k or k < 1:
+        k = int(n) if shards == ROWS else (shards(int(n)) if callable(shards) else shards)
+        if isinstance(k, bool) or not isinstance(k, (int, np.integer)) or k < 1:
             raise ValueError(f"shards must give a positive integer per client, got {k!r} for a client of {n} rows")
         if k > n:
-            raise ValueError(f"{k} shards for a client with {n} rows leaves empty shards; use at most {n}")
+            raise ValueError(f"{k} shards for a client with {n} rows would leave shards empty; use at most {n} "
+                             "(or shards='rows': one record per shard)")
         counts.append(int(k))
     return np.asarray(counts)
 
 
-def make_shards(clients, shards, seed: int = 0) -> ShardedClients:
-    """Split every client's rows at random into its shards and pad to ``[M, K_max, S_max, ...]``."""
+def assign(arrays, num_shards: int, secret: bytes, one_per_row: bool) -> tuple[np.ndarray, np.ndarray]:
+    """``(shard of each row [n], id of each shard [N])`` for one client (see the module docstring)."""
+    hashes = keyed_row_hashes(arrays, secret)
+    if one_per_row:
+        return np.arange(len(hashes)), (hashes & np.uint64(0xFFFFFFFF)).astype(np.uint32)
+    fraction = hashes.astype(np.float64) / 2.0**64
+    shard = np.minimum((fraction * num_shards).astype(np.int64), num_shards - 1)
+    return shard, np.arange(num_shards, dtype=np.uint32)
+
+
+def make_shards(clients, shards, secret: bytes, counts=None) -> ShardedClients:
+    """Assign every client's rows to its shards and pad to ``[M, K_max, S_max, ...]``.
+
+    ``counts`` (the planned ``N_m``) default to :func:`shard_counts` of the clients' sizes; pass the
+    planned counts to lay out a neighbouring data set under the same settings.
+    """
     sizes = np.array([len(c[0]) for c in clients])
-    counts = shard_counts(sizes, shards)
-    rng = np.random.default_rng(seed)
-    k_max = int(counts.max())
-    s_max = int(max(int(np.ceil(n / k)) for n, k in zip(sizes, counts)))
+    counts = shard_counts(sizes, shards) if counts is None else np.asarray(counts, int)
+    one_per_row = shards == ROWS
+    layout = [assign(c, int(k) if not one_per_row else len(c[0]), secret, one_per_row)
+              for c, k in zip(clients, counts)]
+    slots = [len(ids) for _, ids in layout]
+    k_max = max(slots)
+    s_max = max(int(np.bincount(rows, minlength=1).max()) if len(rows) else 1 for rows, _ in layout)
     m = len(clients)
-    arrays = tuple(np.zeros((m, k_max, s_max) + a.shape[1:], a.dtype) for a in clients[0])
+    arrays = tuple(np.zeros((m, k_max, s_max) + np.shape(a)[1:], np.asarray(a).dtype) for a in clients[0])
     mask = np.zeros((m, k_max, s_max), bool)
-    for i, client in enumerate(clients):
-        for k, rows in enumerate(np.array_split(rng.permutation(sizes[i]), counts[i])):
-            for j, a in enumerate(client):
-                arrays[j][i, k, : len(rows)] = a[rows]
-            mask[i, k, : len(rows)] = True
-    return ShardedClients(arrays, mask, counts, sizes)
+    ids = np.zeros((m, k_max), np.uint32)
+    for i, (client, (shard_of_row, shard_ids)) in enumerate(zip(clients, layout)):
+        ids[i, : len(shard_ids)] = shard_ids
+        order = np.argsort(shard_of_row, kind="stable")  # rows of a shard keep their relative order
+        shard_sorted = shard_of_row[order]
+        starts = np.searchsorted(shard_sorted, shard_sorted, side="left")
+        slot = np.arange(len(order)) - starts
+        for j, a in enumerate(client):
+            arrays[j][i, shard_sorted, slot] = np.asarray(a)[order]
+        mask[i, shard_sorted, slot] = True
+    return ShardedClients(arrays, mask, counts, sizes, ids)

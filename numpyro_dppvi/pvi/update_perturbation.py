@@ -1,36 +1,52 @@
 """Privacy by perturbing model updates: local averaging, virtual PVI clients, parameter perturbation.
 
 Heikkila et al. 2023, §4.2 (Algorithms 2 and 3, Theorems 7-14). Client ``m`` holds ``N_m`` fixed
-disjoint shards (see :mod:`.shards`). Every shard ``k`` proposes a new posterior ``q_k`` from the
-current ``q`` and its change in natural parameters ``Delta_k = eta(q_k) - eta(q)`` (the pair
-``(eta1, eta2)`` as one vector) is clipped jointly to norm ``C``. The client releases
+shards (:mod:`.shards`: a record's shard depends on that record alone). Every non-empty shard ``k``
+proposes a new posterior ``q_k`` from the current ``q`` and its change in natural parameters
+``Delta_k = eta(q_k) - eta(q)`` (the pair ``(eta1, eta2)`` as one vector) is clipped jointly to
+norm ``C`` (a non-finite change becomes zero). The client's *contribution* is
 
-    R_m = sum_k clip_C(Delta_k) + N(0, sigma^2 C^2 I)                                    (eq. 4.7)
+    S_m = sum_k clip_C(Delta_k),          released as   R_m = S_m + N(0, sigma^2 C^2 I)   (eq. 4.7)
 
-once per round. **Sensitivity**: one record sits in exactly one shard; changing it (added, removed or
-replaced) can change that shard's ``clip_C(Delta_k)`` arbitrarily within the ball of radius ``C``, so
-``R_m`` moves by at most ``2C`` under either neighbouring relation, and the other shards' terms do not
-depend on the record (their inputs are the public ``q`` and their own rows). So one round is a
-Gaussian mechanism with noise multiplier ``sigma C / (2C) = sigma / 2``, sampling rate 1 (Theorem 7,
-Appendix A.6, ``privacy.sensitivity(C, relation, "shard_update")``); local optimiser steps are free.
+once per round it takes part in.
+
+**Sensitivity** (:mod:`.shards`): with hashed shards one record changes one shard's term, which
+moves inside the ball of radius ``C``: ``Delta = 2C`` under either relation
+(``privacy.sensitivity(C, relation, "shard_update")``); with one record per shard, adding or removing
+it adds or removes one term: ``Delta = C`` (``"sum_of_records"``; ``2C`` when replaced). The other
+shards' terms depend only on their own rows, their own private state (below) and the public ``q``.
+
+**Private state holds no noise share** (issue 12, finding 4). Per-shard state feeds later releases,
+so it may depend only on the shard's own rows and on public values (``q`` and earlier releases),
+never on a partial noise draw. Otherwise a later release could reveal a share, and the noise that
+protected an earlier release would be smaller than accounted. Conditionally on the public history,
+each round is then exactly a Gaussian mechanism of the stated sensitivity, and rounds compose
+adaptively. Concretely:
+
+* local averaging: each shard keeps its optimiser state across rounds (own rows + public ``q``);
+* virtual clients: each virtual factor accumulates only its own clipped changes,
+  ``t_{m,k} += rho clip_C(Delta_k)``. The noise goes into the released factor of the real client.
+  Unlike Algorithm 3, which lets every virtual factor keep a noise share ``sigma C / sqrt(N_m)``,
+  ``t_m`` is therefore not ``sum_k t_{m,k}``: ``t_m`` holds the released values, the virtual factors
+  a private working state;
+* with a trusted aggregator (:func:`trusted_aggregator_round`) a client's own factor accumulates its
+  unnoised contribution ``rho S_m / N_m``. The aggregate noise is held by the server's noise factor
+  ``t_noise``, so that ``q = prior * t_0 * prod_m t_m * t_noise`` stays exact.
 
 * **Local averaging** (Algorithm 2): shard ``k`` maximises
-  ``E_q[log p(x_{m,k} | theta)] - KL(q || cavity_m) / N_m`` (eq. 4.1) with full-shard steps and an
-  optimiser state kept across rounds; the client's proposal is ``eta(q) + R_m / N_m`` (eq. 4.7).
+  ``E_q[log p(x_{m,k} | theta)] - KL(q || cavity_m) / N_m`` (eq. 4.1) with full-shard steps; the
+  client's proposal is ``eta(q) + R_m / N_m`` (eq. 4.7).
 * **Virtual clients** (Algorithm 3): shard ``k`` has its own factor ``t_{m,k}`` and cavity
-  ``q / t_{m,k}``; it runs one PVI local step; ``t_{m,k} += rho (clip_C(Delta_k) + xi_k)`` with
-  ``xi_k ~ N(0, sigma^2 C^2 / N_m)`` so that ``sum_k xi_k`` has the accounted ``sigma C``; the client's
-  proposal is ``eta(q) + R_m`` and ``t_m = sum_k t_{m,k}`` is kept exact.
+  ``q / t_{m,k}`` and runs one PVI local step; the client's proposal is ``eta(q) + R_m``.
 * **Parameter perturbation**: local averaging with one shard.
 
-**Invalid noisy updates**: the noisy proposal can have a non-positive precision. The client checks its
-own damped update ``q + rho (proposal - q)`` (post-processing of the release: no privacy cost) and
-applies the documented rule ``invalid``: ``"reject"`` (default) keeps its old factor (sends a zero
-change), ``"floor"`` raises every precision of the proposal to at least ``precision_floor``. Signs
-are never flipped. Each occurrence is counted in the round's metrics (``"invalid"``) and the history
-(``"invalid_updates"``). In a synchronous round individually valid changes can still sum to an improper
-``q``; the server then rejects the round as a whole (all factors and client states kept, the releases
-still charged) and the history marks it ``"rejected_round"``.
+**Invalid noisy updates**: the noisy proposal can have a non-positive precision. The damped update
+``q + rho (proposal - q)`` is checked (post-processing of the complete release: no privacy cost)
+and the documented rule ``invalid`` applies: ``"reject"`` keeps the old factor (a zero change),
+``"floor"`` raises every precision of the proposal to at least ``precision_floor``. Signs are never
+flipped. Each occurrence is counted (``"invalid"`` in the round's metrics, ``"invalid_updates"``
+in the history). With a trusted aggregator the rule runs once, on the aggregate, after the noise is
+complete.
 """
 
 from __future__ import annotations
@@ -44,21 +60,17 @@ import optax
 
 from .. import factors, objectives
 from ..factors import Gaussian
+from ..privacy.mechanisms import add_gaussian_noise, clip_update
 from .local import optimise
 
 INVALID_RULES = ("reject", "floor")
 
 
-def _shard_sizes(mask):
-    return jnp.sum(mask, axis=-1).astype(jnp.float32)
-
-
 def clip_change(delta: Gaussian, clip):
-    """Clip a change of natural parameters jointly over ``(eta1, eta2)`` to norm ``clip`` (None: no clip)."""
+    """Clip a change of natural parameters jointly over ``(eta1, eta2)`` to norm ``clip`` (a
+    non-finite change becomes zero); ``clip=None``: no clip (non-private)."""
     if clip is None:
         return delta
-    from ..privacy.mechanisms import clip_update
-
     return clip_update(delta, clip)[0]
 
 
@@ -76,7 +88,12 @@ def apply_invalid_rule(q: Gaussian, proposal: Gaussian, damping, rule: str, prec
 
 @dataclass(frozen=True)
 class ShardRule:
-    """Settings shared by the shard-based rules; ``clip=None`` means non-private (no clip, no noise)."""
+    """Settings shared by the shard-based rules; ``clip=None`` means non-private (no clip, no noise).
+
+    Client state (stacked over clients): ``ids`` (shard identities, :mod:`.shards`), ``num_shards``
+    (the planned ``N_m``), ``noise_std`` (``sigma C``, 0 without privacy) and the rule's own private
+    per-shard state.
+    """
 
     log_lik_rows: Callable
     dim: int
@@ -88,6 +105,34 @@ class ShardRule:
     invalid: str = "reject"
     precision_floor: float = 1e-3
 
+    uses_client_cavity = True
+
+    def scale(self, num_shards):
+        """Factor between the release and the change of ``q`` the client proposes."""
+        raise NotImplementedError
+
+    def contribution(self, q, cavity, arrays, mask, key, client_state):
+        """``(S_m, tentative client state)``: the unnoised sum of clipped shard changes (private)."""
+        raise NotImplementedError
+
+    def commit(self, client_state, tentative, accepted):
+        """The client state after a round whose update was (or was not) accepted."""
+        raise NotImplementedError
+
+    def shard_keys(self, key, client_state):
+        return jax.vmap(lambda i: jax.random.fold_in(key, i))(client_state["ids"])
+
+    def update(self, q, cavity, arrays, mask, n, key, client_state):
+        """The client alone (no trusted aggregator): release ``S_m + N(0, noise_std^2)`` and propose
+        ``q * release^scale`` under the invalid-update rule."""
+        k_shards, k_noise = jax.random.split(key)
+        summed, tentative = self.contribution(q, cavity, arrays, mask, k_shards, client_state)
+        released = summed if self.clip is None else add_gaussian_noise(k_noise, summed, client_state["noise_std"])
+        proposal = factors.multiply(q, factors.scale(released, self.scale(client_state["num_shards"])))
+        proposal, invalid = apply_invalid_rule(q, proposal, self.damping, self.invalid, self.precision_floor)
+        accepted = ~invalid if self.invalid == "reject" else jnp.ones((), bool)
+        return proposal, self.commit(client_state, tentative, accepted), {"loss": jnp.zeros(()), "invalid": invalid}
+
 
 @dataclass(frozen=True)
 class LocalAveraging(ShardRule):
@@ -96,33 +141,27 @@ class LocalAveraging(ShardRule):
     def init_client_state(self, arrays, mask, key):
         params = {"loc": jnp.zeros(self.dim), "log_scale": jnp.zeros(self.dim)}
         opt = jax.vmap(lambda _: self.optimizer.init(params))(jnp.arange(mask.shape[0]))
-        return {"opt": opt, "noise_std": jnp.zeros(())}
+        return {"opt": opt}
+
+    def scale(self, num_shards):
+        return 1.0 / num_shards
 
     def shard_update(self, q, cavity, num_shards, arrays, mask, opt_state, key):
         """One shard's proposal ``q_k`` (eq. 4.1): full-shard steps with the KL weighted by ``1 / N_m``."""
         size = jnp.maximum(jnp.sum(mask), 1.0)
         return fit_shard(self, q, cavity, arrays, mask, num_shards * size, key, opt_state)
 
-    def clipped_sum(self, q, cavity, arrays, mask, key, client_state):
-        """``(sum_k clip_C(Delta_k), new optimiser states)``: the released query before noise."""
+    def contribution(self, q, cavity, arrays, mask, key, client_state):
         valid_shard = jnp.any(mask, axis=-1)
-        num_shards = jnp.sum(valid_shard).astype(jnp.float32)
-        keys = jax.random.split(key, mask.shape[0])
         q_k, opt = jax.vmap(self.shard_update, in_axes=(None, None, None, 0, 0, 0, 0))(
-            q, cavity, num_shards, arrays, mask, client_state["opt"], keys)
+            q, cavity, client_state["num_shards"], arrays, mask, client_state["opt"],
+            self.shard_keys(key, client_state))
         deltas = jax.vmap(lambda a: clip_change(factors.divide(a, q), self.clip))(q_k)
-        return _masked_sum(deltas, valid_shard), opt
-
-    def update(self, q, cavity, arrays, mask, n, key, client_state):
-        valid_shard = jnp.any(mask, axis=-1)
-        num_shards = jnp.sum(valid_shard).astype(jnp.float32)
-        k_shards, k_noise = jax.random.split(key)
-        released, opt = self.clipped_sum(q, cavity, arrays, mask, k_shards, client_state)
-        released = _add_noise(released, k_noise, client_state["noise_std"])
-        proposal = factors.multiply(q, factors.scale(released, 1.0 / num_shards))
-        proposal, invalid = apply_invalid_rule(q, proposal, self.damping, self.invalid, self.precision_floor)
         opt = jax.tree.map(lambda new, old: jnp.where(_expand(valid_shard, new), new, old), opt, client_state["opt"])
-        return proposal, dict(client_state, opt=opt), {"loss": jnp.zeros(()), "invalid": invalid}
+        return _masked_sum(deltas, valid_shard), dict(client_state, opt=opt)
+
+    def commit(self, client_state, tentative, accepted):
+        return tentative  # the optimiser states depend on the shard's own rows and the public q only
 
 
 @dataclass(frozen=True)
@@ -137,7 +176,10 @@ class VirtualClients(ShardRule):
 
     def init_client_state(self, arrays, mask, key):
         k = mask.shape[0]
-        return {"factors": Gaussian(jnp.zeros((k, self.dim)), jnp.zeros((k, self.dim))), "noise_std": jnp.zeros(())}
+        return {"factors": Gaussian(jnp.zeros((k, self.dim)), jnp.zeros((k, self.dim)))}
+
+    def scale(self, num_shards):
+        return 1.0
 
     def shard_update(self, q, t_k, arrays, mask, key):
         """One virtual client's PVI step from ``q`` with cavity ``q / t_k`` (full shard)."""
@@ -145,37 +187,20 @@ class VirtualClients(ShardRule):
         q_k, _ = fit_shard(self, q, cavity, arrays, mask, jnp.maximum(jnp.sum(mask), 1.0), key)
         return q_k, factors.is_proper(cavity)
 
-    def clipped_changes(self, q, arrays, mask, key, client_state):
-        """Per virtual client ``clip_C(Delta_k)`` (zero for padding shards and invalid cavities) and
-        the number of invalid cavities; their sum is the released query before noise."""
+    def contribution(self, q, cavity, arrays, mask, key, client_state):
+        """``sum_k clip_C(Delta_k)`` over non-empty shards whose cavity is proper (a virtual client with
+        an improper cavity proposes no change), and the virtual factors advanced by ``rho clip_C(Delta_k)``."""
         valid_shard = jnp.any(mask, axis=-1)
         q_k, cavity_ok = jax.vmap(self.shard_update, in_axes=(None, 0, 0, 0, 0))(
-            q, client_state["factors"], arrays, mask, jax.random.split(key, mask.shape[0]))
-        use = valid_shard & cavity_ok  # a virtual client with an invalid cavity proposes no change
+            q, client_state["factors"], arrays, mask, self.shard_keys(key, client_state))
+        use = valid_shard & cavity_ok
         deltas = jax.vmap(lambda a: clip_change(factors.divide(a, q), self.clip))(q_k)
-        return Gaussian(*(jnp.where(use[:, None], d, 0.0) for d in deltas)), jnp.sum(valid_shard & ~cavity_ok)
+        deltas = Gaussian(*(jnp.where(use[:, None], d, 0.0) for d in deltas))
+        advanced = factors.multiply(client_state["factors"], factors.scale(deltas, self.damping))
+        return factors.product(deltas), dict(client_state, factors=advanced)
 
-    def update(self, q, cavity, arrays, mask, n, key, client_state):
-        t = client_state["factors"]
-        valid_shard = jnp.any(mask, axis=-1)
-        num_shards = jnp.sum(valid_shard).astype(jnp.float32)
-        k_shards, k_noise = jax.random.split(key)
-        deltas, cavity_invalid = self.clipped_changes(q, arrays, mask, k_shards, client_state)
-        share = client_state["noise_std"] / jnp.sqrt(num_shards)
-        noise = jax.tree.map(lambda z: jnp.where(valid_shard[:, None], share * z, 0.0),
-                             _normal_like(k_noise, deltas))
-        steps = factors.multiply(deltas, noise)  # per virtual client: clip(Delta_k) + xi_k
-        proposal = factors.multiply(q, factors.product(steps))
-        proposal, invalid = apply_invalid_rule(q, proposal, self.damping, self.invalid, self.precision_floor)
-        keep = invalid if self.invalid == "reject" else jnp.zeros((), bool)
-        new_t = Gaussian(*(jnp.where(keep, a, a + self.damping * s) for a, s in zip(t, steps)))
-        if self.invalid == "floor":  # keep t_m = sum_k t_mk exact: spread the floor's correction evenly
-            target = factors.divide(factors.damp(q, proposal, self.damping), q)
-            got = factors.scale(factors.product(steps), self.damping)
-            fix = factors.scale(factors.divide(target, got), 1.0 / num_shards)
-            new_t = Gaussian(*(a + jnp.where(valid_shard[:, None], f, 0.0) for a, f in zip(new_t, fix)))
-        return proposal, dict(client_state, factors=new_t), {"loss": jnp.zeros(()), "invalid": invalid,
-                                                          "cavity_invalid": cavity_invalid}
+    def commit(self, client_state, tentative, accepted):
+        return jax.tree.map(lambda new, old: jnp.where(accepted, new, old), tentative, client_state)
 
 
 def fit_shard(rule, q, cavity, arrays, mask, n_eff, key, opt_state=None):
@@ -193,18 +218,64 @@ def fit_shard(rule, q, cavity, arrays, mask, n_eff, key, opt_state=None):
     return factors.from_loc_log_scale(params), opt_state
 
 
+def trusted_aggregator_round(rule: ShardRule, damping, state, data, mask, sizes, key, participating):
+    """One synchronous round through a trusted aggregator (DESIGN §5.3; DP-PVI Theorems A.10, A.13).
+
+    Each participating client ``m`` sends ``(S_m + xi_m) * s_m`` with ``s_m`` its scale (``1 / N_m``
+    for local averaging, 1 for virtual clients) and ``xi_m ~ N(0, share_m^2 I)``; the aggregator
+    reveals only ``A = sum_m (S_m + xi_m) s_m``.
+
+    **Shares add up for every client** whatever the shard counts. The noise of ``A`` has variance
+    ``sum_j share_j^2 s_j^2``, and client ``m``'s records move ``A`` by at most ``Delta s_m``. With
+    ``share_j = sigma C s_max / (s_j sqrt(|P|))`` (``s_max = max_{j in P} s_j``, i.e. the fewest
+    shards) the variance is ``(sigma C s_max)^2``, so client ``m``'s noise multiplier is
+    ``sigma C s_max / (Delta s_m) >= sigma C / Delta``: at least the accounted one. Clients with more
+    shards (local averaging) are over-protected. Participation is decided before any noise is
+    drawn (the budget stop rule only), no share is ever dropped (non-finite changes are zeroed
+    before clipping), and the invalid-update rule runs once on the aggregate. Each client's factor
+    takes its unnoised ``rho S_m s_m`` and the server's noise factor the rest, so the private
+    states hold no noise share (module docstring).
+    """
+    m = sizes.shape[0]
+    q = state.q
+    cs = state.client_state
+    cavities = factors.divide(_broadcast(q, m), state.factors)
+    keys = jax.vmap(lambda i: jax.random.fold_in(key, i))(jnp.arange(m))
+    contribution_keys, noise_keys = jax.vmap(jax.random.split, out_axes=1)(keys)
+    summed, tentative = jax.vmap(rule.contribution, in_axes=(None, 0, 0, 0, 0, 0))(
+        q, cavities, data, mask, contribution_keys, cs)
+    scale = jax.vmap(rule.scale)(cs["num_shards"])
+    count = jnp.maximum(jnp.sum(participating), 1)
+    largest = jnp.max(jnp.where(participating, scale, 0.0))
+    share = cs["noise_std"] * largest / (scale * jnp.sqrt(count.astype(jnp.float32)))
+    sent = jax.vmap(lambda k, s, std, c: factors.scale(add_gaussian_noise(k, s, std), c))(
+        noise_keys, summed, share, scale)
+    aggregate = factors.product(Gaussian(*(jnp.where(participating[:, None], x, 0.0) for x in sent)))
+    proposal, invalid = apply_invalid_rule(q, factors.multiply(q, aggregate), damping, rule.invalid,
+                                           rule.precision_floor)
+    accepted = ~invalid if rule.invalid == "reject" else jnp.ones((), bool)
+    new_q = factors.damp(q, proposal, damping)
+    weight = jnp.where(participating & accepted, damping * scale, 0.0)[:, None]
+    own = Gaussian(summed.eta1 * weight, summed.eta2 * weight)
+    new_factors = factors.multiply(state.factors, own)
+    noise_part = factors.divide(factors.divide(new_q, q), factors.product(own))
+    commit = jax.vmap(rule.commit)(cs, tentative, participating & accepted)
+    client_state = jax.tree.map(lambda new, old: jnp.where(_expand(participating, new), new, old), commit, cs)
+    new_state = state._replace(
+        q=new_q, factors=new_factors, noise_factor=factors.multiply(state.noise_factor, noise_part),
+        q_seen=_broadcast(new_q, m), client_state=client_state,
+        round=state.round + 1, communications=state.communications + jnp.sum(participating))
+    valid = factors.is_proper(new_q)
+    return new_state, {"valid": valid, "loss": jnp.zeros(m), "participated": participating,
+                       "failed": jnp.zeros(m, bool), "invalid": invalid}
+
+
 def _masked_sum(deltas: Gaussian, valid) -> Gaussian:
     return Gaussian(*(jnp.sum(jnp.where(valid[:, None], d, 0.0), axis=0) for d in deltas))
 
 
-def _normal_like(key, g: Gaussian) -> Gaussian:
-    k1, k2 = jax.random.split(key)
-    return Gaussian(jax.random.normal(k1, g.eta1.shape), jax.random.normal(k2, g.eta2.shape))
-
-
-def _add_noise(g: Gaussian, key, std) -> Gaussian:
-    z = _normal_like(key, g)
-    return Gaussian(g.eta1 + std * z.eta1, g.eta2 + std * z.eta2)
+def _broadcast(g: Gaussian, m: int) -> Gaussian:
+    return Gaussian(jnp.broadcast_to(g.eta1, (m,) + g.eta1.shape), jnp.broadcast_to(g.eta2, (m,) + g.eta2.shape))
 
 
 def _expand(flag, x):

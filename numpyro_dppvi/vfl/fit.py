@@ -10,6 +10,7 @@ import jax.numpy as jnp
 import numpy as np
 import optax
 
+from ..keys import resolve as resolve_key
 from .cache import cached, shapes
 from .client import VFLClient, check_clients
 from .guides import GUIDES, DiagonalGaussian
@@ -56,7 +57,7 @@ def fit_vfl(
         steps: protocol iterations.
         optimizer: an optax transformation used by every party (default ``adam(1e-2)``).
         num_samples: Monte Carlo draws per iteration.
-        rng_key: a ``jax.random`` key (default ``key(0)``).
+        rng_key: a ``jax.random`` key (default: a fresh key from the operating system).
         batch_size: rows per iteration (sampled without replacement by the server and sent to
             the clients as a row index); ``None`` uses all rows.
         amortized_hidden: width of the amortised network's hidden layer.
@@ -88,7 +89,7 @@ def fit_vfl(
         optimizer = optax.adam(1e-2)
     if not hasattr(optimizer, "init") or not hasattr(optimizer, "update"):
         raise TypeError("optimizer must be an optax GradientTransformation, e.g. optax.adam(1e-2)")
-    rng_key = jax.random.key(0) if rng_key is None else rng_key
+    rng_key = jax.random.wrap_key_data(resolve_key(rng_key)[0])
     k_trace, k_init, k_run = jax.random.split(rng_key, 3)
 
     y = jax.tree_util.tree_map(jnp.asarray, y)

@@ -42,6 +42,7 @@ from numpyro_dppvi import factors
 from numpyro_dppvi.factors import Gaussian
 from numpyro_dppvi.privacy import GaussianEvent, Privacy, audit, sensitivity
 from numpyro_dppvi.pvi import server
+from numpyro_dppvi.pvi.update_perturbation import trusted_aggregator_round
 from numpyro_dppvi.vips import BayesianLinearRegression
 from numpyro_dppvi.vips.engine import scale_bounds
 from numpyro_dppvi.vips.release import plan_release, release_ess
@@ -250,6 +251,30 @@ def test_virtual_clients_audit(bug):
     check("virtual_clients", f"substitute, bug: {bug}", result, claim, expect_exceeds=bug != "none")
 
 
+def aggregate_mechanism(d, state, noise_scale=1.0, broken=None):
+    """One trusted-aggregator round through the engine (``trusted_aggregator_round``) from the public
+    ``PUBLIC_Q``: the observed output is the aggregate's change of ``q``. ``broken``: clients whose
+    every shard change is non-finite (a drop-out: the engine zeroes it, the share is still added)."""
+    m = d.num_clients
+    cs = dict(state.client_state, noise_std=state.client_state["noise_std"] * noise_scale)
+    start = state._replace(q=PUBLIC_Q, client_state=cs)
+    participating = jnp.ones(m, bool)
+
+    def mechanism(key, arrays):
+        if broken is not None:  # NaN rows give a NaN shard change, which the engine zeroes before clipping
+            arrays = (arrays[0], jnp.where(broken[:, None, None], jnp.nan, arrays[1]))
+        new, _ = trusted_aggregator_round(d.rule, 1.0, start, arrays, d.mask, d.sizes, key, participating)
+        return flat(factors.divide(new.q, PUBLIC_Q))
+
+    return mechanism
+
+
+def aggregate_pair(d):
+    arrays = d.data
+    where = (0,) + tuple(int(i[0]) for i in np.nonzero(np.asarray(arrays[0][0][..., 0]) == 1.0))
+    return arrays, flipped(arrays, where)
+
+
 @pytest.mark.slow
 @pytest.mark.parametrize("bug", ["none", "shares sigma C / M"])
 def test_trusted_aggregator_audit(bug):
@@ -257,23 +282,48 @@ def test_trusted_aggregator_audit(bug):
     the shares by M instead of sqrt(M) (total noise half the accounted one at M = 4)."""
     m = 4
     d, state, claim = update_setup("local_averaging", 1, noise_multiplier=UPDATE_SIGMA, num_clients=m, trusted_aggregator=True)
-    stds = state.client_state["noise_std"]
-    if bug != "none":
-        stds = stds / np.sqrt(m)
-    n, mask = d.sizes, d.mask
-
-    def mechanism(key, arrays):
-        def client(i, k):
-            cs = dict(one_client(state, i), noise_std=stds[i])
-            rows = tuple(a[i] for a in arrays)
-            return released_sum(d.rule, rows, mask[i], n[i], k, cs, 1.0)
-        parts = jax.vmap(client)(jnp.arange(m), jax.random.split(key, m))
-        return flat(factors.product(parts))
-
-    arrays = d.data
-    where = (0,) + tuple(int(i[0]) for i in np.nonzero(np.asarray(arrays[0][0][..., 0]) == 1.0))
-    result = audit(mechanism, arrays, flipped(arrays, where), jax.random.key(50), DELTA, num_runs=RUNS)
+    mechanism = aggregate_mechanism(d, state, noise_scale=1.0 / np.sqrt(m) if bug != "none" else 1.0)
+    result = audit(mechanism, *aggregate_pair(d), jax.random.key(50), DELTA, num_runs=RUNS)
     check("trusted_aggregator", f"substitute, bug: {bug}", result, claim, expect_exceeds=bug != "none")
+
+
+@functools.lru_cache
+def unequal_shards_setup():
+    privacy = Privacy(noise_multiplier=UPDATE_SIGMA, clip=CLIP, delta=DELTA, neighbouring="substitute")
+    clients = [planted_client(4), planted_client(16, planted=False)]
+    d = dppvi.DPPVI(linreg, method="local_averaging", shards=lambda n: n // 4, privacy=privacy, local_steps=5,
+                    rounds=1, num_samples=4, optimizer=optax.sgd(1e-2), trusted_aggregator=True)
+    state = d.init(jax.random.key(0), clients)
+    assert list(d.num_shards) == [1, 4]
+    return d, state, ledger_epsilon(privacy, [[d.plan.event(m, 1)] for m in range(2)], True)
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("bug", ["none", "uncorrected shares"])
+def test_trusted_aggregator_audit_unequal_shard_counts(bug):
+    """Local averaging through the aggregator with 1 and 4 shards (issue 12, finding 2): the planted
+    record sits on the client with one shard, whose release enters the aggregate with weight 1 (the
+    other's with 1/4). The engine's shares give the aggregate client 0's accounted noise; the bug is
+    the old rule, every client adding sigma C / sqrt(M) whatever its weight (aggregate noise 0.73x what
+    client 0 needs). 4 x 10^4 runs: the bug's expected bound exceeds the claim by ~0.3 nat only."""
+    d, state, claim = unequal_shards_setup()
+    if bug != "none":  # the engine's share is noise_std * s_max / s_m; this makes every share sigma C / sqrt(M)
+        cs = dict(state.client_state, noise_std=state.client_state["noise_std"] * jnp.array([1.0, 0.25]))
+        state = state._replace(client_state=cs)
+    result = audit(aggregate_mechanism(d, state), *aggregate_pair(d), jax.random.key(51), DELTA, num_runs=4 * RUNS)
+    check("trusted_aggregator", f"unequal shard counts (1, 4), bug: {bug}", result, claim,
+          expect_exceeds=bug != "none")
+
+
+@pytest.mark.slow
+def test_trusted_aggregator_audit_with_a_drop_out():
+    """Three clients, one of which produces non-finite changes (a drop-out): its share of the noise is
+    still added (its change is zeroed before clipping), so the planted client keeps its guarantee."""
+    d, state, claim = update_setup("local_averaging", 1, noise_multiplier=UPDATE_SIGMA, num_clients=3,
+                                   trusted_aggregator=True)
+    mechanism = aggregate_mechanism(d, state, broken=jnp.array([False, False, True]))
+    result = audit(mechanism, *aggregate_pair(d), jax.random.key(52), DELTA, num_runs=RUNS)
+    check("trusted_aggregator", "substitute, one client drops out", result, claim, expect_exceeds=False)
 
 
 # --------------------------------------------------------------------------- client-level DP
@@ -285,7 +335,7 @@ def client_level_setup():
     d = dppvi.DPPVI(linreg, method="pvi", privacy_unit="client", client_rate=0.5, privacy=privacy,
                     schedule="synchronous", local_steps=5, rounds=1, num_samples=4, optimizer=optax.sgd(1e-2))
     state = d.init(jax.random.key(0), clients)
-    return d, state, ledger_epsilon(privacy, [[d.plan.event(m, 1)] for m in range(3)])
+    return d, state._replace(q=PUBLIC_Q), ledger_epsilon(privacy, [[d.plan.event(m, 1)] for m in range(3)])
 
 
 @pytest.mark.slow
@@ -296,10 +346,11 @@ def test_client_level_audit(bug):
     d, state, claim = client_level_setup()
     clip = 1e6 if bug == "clip skipped" else d.privacy.clip
     noise_std = d.plan.noise_std(0)
+    limits = jnp.full(3, 10, jnp.int32)
 
     def mechanism(key, active):
         new, _ = server.client_level(d.rule, 1.0, state._replace(active=active), d.data, d.mask, d.sizes, key,
-                                     clip, noise_std, d.client_rate)
+                                     limits, clip, noise_std, d.client_rate)
         return flat(factors.divide(new.q, state.q))
 
     result = audit(mechanism, jnp.ones(3, bool), jnp.array([False, True, True]), jax.random.key(60), DELTA,

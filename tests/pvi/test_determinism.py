@@ -3,9 +3,10 @@
 * Same inputs and ``rng_key`` give bit-identical posteriors, factors and ledgers for every method
   and schedule (tiny sizes); a different key gives a different private fit (the key is used).
 * Noise keys are never reused across clients, rounds, shards or local steps: every Gaussian draw
-  the engine makes goes through ``jax.random.normal``; the tests wrap it so that each call reports
-  the key it was given (``jax.debug.callback`` works inside ``jit``, ``vmap`` and ``scan``), run
-  a few rounds, and require every recorded key to be distinct. A key used twice would give two
+  the engine makes goes through ``jax.random.normal`` (Monte Carlo draws) or the privacy noise
+  sampler ``privacy.noise.standard_normal``; the tests wrap both so that each call reports the key
+  it was given (``jax.debug.callback`` works inside ``jit``, ``vmap`` and ``scan``), run a few
+  rounds, and require every recorded key to be distinct. A key used twice would give two
   clients (or rounds, or shards) the same noise, which cancels in differences and breaks the
   accounting's independence assumption.
 """
@@ -22,6 +23,7 @@ import pytest
 
 import numpyro_dppvi as dppvi
 from numpyro_dppvi.privacy import Privacy, gaussian_noise_like
+from numpyro_dppvi.privacy import noise as noise_module
 
 
 @dppvi.model
@@ -54,18 +56,21 @@ def options(name):
     if name == "trusted_aggregator":
         return dict(CONFIGS["local_averaging"], trusted_aggregator=True)
     if name == "client_level":
-        return dict(method="pvi", privacy_unit="client", client_rate=0.5, privacy=PRIVATE)
+        return dict(method="pvi", privacy_unit="client", client_rate=0.5, privacy=PRIVATE, invalid="floor")
     return CONFIGS[name]
 
 
 def fit(name, schedule, key, rounds=2, clients=None):
-    return dppvi.fit_dppvi(logistic, tiny_clients() if clients is None else clients, schedule=schedule,
-                           rounds=rounds, local_steps=2, num_samples=2, damping=0.5, optimizer=optax.adam(5e-2),
-                           rng_key=key, **options(name))
+    """A fit and its final private state (captured by the callback: a result holds no state)."""
+    states = []
+    result = dppvi.fit_dppvi(logistic, tiny_clients() if clients is None else clients, schedule=schedule,
+                             rounds=rounds, local_steps=2, num_samples=2, damping=0.5, optimizer=optax.adam(5e-2),
+                             rng_key=key, callback=lambda state, entry: states.append(state), **options(name))
+    return result, states[-1]
 
 
-def state_arrays(result):
-    return [np.asarray(leaf) for leaf in jax.tree_util.tree_leaves((result.state.q, result.state.factors))]
+def state_arrays(state):
+    return [np.asarray(leaf) for leaf in jax.tree_util.tree_leaves((state.q, state.factors, state.noise_factor))]
 
 
 @pytest.mark.slow
@@ -81,33 +86,37 @@ def test_same_key_gives_bit_identical_results(recorded_normal_keys, name, schedu
 
     def run(state):
         ledger = None if d.privacy is None else d.privacy.ledger(len(clients), d.trusted_aggregator)
-        return d.run(None, clients, rounds=2, state=state, ledger=ledger)
+        states = []
+        result = d.run(None, clients, rounds=2, state=state, ledger=ledger, callback=lambda s, e: states.append(s))
+        return result, states[-1]
 
-    first = run(start)
+    first, first_state = run(start)
     assert assert_all_distinct(recorded_normal_keys) >= 2 * 3 * 2
-    second = run(start)
-    for a, b in zip(state_arrays(first), state_arrays(second)):
+    second, second_state = run(start)
+    for a, b in zip(state_arrays(first_state), state_arrays(second_state)):
         np.testing.assert_array_equal(a, b)
-    assert [h["participated"] for h in first.history] == [h["participated"] for h in second.history]
-    if first.privacy is not None:
+    assert [h.get("participated") for h in first.history] == [h.get("participated") for h in second.history]
+    if first.is_private:
         assert first.privacy == second.privacy
         np.testing.assert_array_equal(first.privacy.epsilon_per_client, second.privacy.epsilon_per_client)
     if name != "pvi" or schedule == "asynchronous":  # randomness in the result: another key must change it
-        other = run(start._replace(key=jax.random.key_data(jax.random.key(8))))
-        assert any(not np.array_equal(a, b) for a, b in zip(state_arrays(first), state_arrays(other)))
+        _, other = run(start._replace(key=jax.random.key_data(jax.random.key(8))))
+        assert any(not np.array_equal(a, b) for a, b in zip(state_arrays(first_state), state_arrays(other)))
 
 
 def test_same_key_gives_bit_identical_results_quick():
     """Two separate fits (separate set-up and compilation): DP optimisation, synchronous."""
-    first = fit("dp_optimisation", "synchronous", jax.random.key(3), rounds=1)
-    second = fit("dp_optimisation", "synchronous", jax.random.key(3), rounds=1)
-    for a, b in zip(state_arrays(first), state_arrays(second)):
+    first, first_state = fit("dp_optimisation", "synchronous", jax.random.key(3), rounds=1)
+    second, second_state = fit("dp_optimisation", "synchronous", jax.random.key(3), rounds=1)
+    for a, b in zip(state_arrays(first_state), state_arrays(second_state)):
         np.testing.assert_array_equal(a, b)
+    np.testing.assert_array_equal(first.q.eta1, second.q.eta1)
 
 
 # --------------------------------------------------------------------------- key hygiene
 
-ENGINE_FILES = ("pvi/local.py", "pvi/update_perturbation.py", "pvi/server.py", "privacy/mechanisms.py")
+ENGINE_FILES = ("pvi/local.py", "pvi/update_perturbation.py", "pvi/server.py", "privacy/mechanisms.py",
+                "privacy/noise.py", "vips/release.py")
 
 
 def _from_engine():
@@ -118,17 +127,20 @@ def _from_engine():
 
 @pytest.fixture
 def recorded_normal_keys(monkeypatch):
-    """Every key passed to ``jax.random.normal`` by the engine during the test, as rows of raw key data."""
+    """Every key passed by the engine to ``jax.random.normal`` (Monte Carlo draws) or to the privacy
+    noise sampler during the test, as rows of raw key data."""
     seen = []
-    original = jax.random.normal
 
-    def recording_normal(key, *args, **kwargs):
-        if _from_engine():
-            data = jax.random.key_data(key) if jnp.issubdtype(key.dtype, jax.dtypes.prng_key) else key
-            jax.debug.callback(lambda d: seen.append(np.asarray(d).reshape(-1, 2).copy()), data)
-        return original(key, *args, **kwargs)
+    def recording(original):
+        def draw(key, *args, **kwargs):
+            if _from_engine():
+                data = jax.random.key_data(key) if jnp.issubdtype(key.dtype, jax.dtypes.prng_key) else key
+                jax.debug.callback(lambda d: seen.append(np.asarray(d).reshape(-1, 2).copy()), data)
+            return original(key, *args, **kwargs)
+        return draw
 
-    monkeypatch.setattr(jax.random, "normal", recording_normal)
+    monkeypatch.setattr(jax.random, "normal", recording(jax.random.normal))
+    monkeypatch.setattr(noise_module, "standard_normal", recording(noise_module.standard_normal))
     return seen
 
 
@@ -161,8 +173,10 @@ def test_resumed_rounds_use_new_keys(recorded_normal_keys):
     clients = tiny_clients()
     driver = lambda: dppvi.DPPVI(logistic, method="dp_optimisation", batch_size=3, privacy=PRIVATE, rounds=2,
                                  local_steps=2, num_samples=2, damping=0.5, optimizer=optax.adam(5e-2))
-    part = driver().run(jax.random.key(0), clients, rounds=1)
-    driver().run(None, clients, rounds=1, state=part.state, history=part.history, ledger=part.privacy)
+    first = driver()
+    states = []
+    part = first.run(jax.random.key(0), clients, rounds=1, callback=lambda s, e: states.append(s))
+    first.run(None, clients, rounds=1, state=states[-1], history=part.history, ledger=part.privacy)
     assert_all_distinct(recorded_normal_keys)
 
 

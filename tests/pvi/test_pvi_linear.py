@@ -49,15 +49,17 @@ def test_pvi_reaches_mean_field_optimum(schedule, damping):
     data, mean, var = problem()
     clients = dppvi.partition(data, num_clients=5, seed=1)
     steps = 300
+    states = []
     result = dppvi.fit_dppvi(linreg, clients, schedule=schedule, rounds=8, local_steps=steps, num_samples=64,
-                             optimizer=decaying_adam(steps), damping=damping, rng_key=jax.random.key(0))
+                             optimizer=decaying_adam(steps), damping=damping, rng_key=jax.random.key(0),
+                             callback=lambda state, entry: states.append(state))
     post = result.posterior["w"]
     sd = np.sqrt(var)
     assert np.all(np.abs(post["loc"] - mean) < 0.1 * sd), (post["loc"], mean, sd)
     np.testing.assert_allclose(post["scale"] ** 2, var, rtol=0.08)
     assert result.history[-1]["communications"] == 8 * 5
     # q == prior * prod t_m exactly
-    q = result.state.q
-    recon = dppvi.factors.multiply(result.adapter.prior, dppvi.factors.product(result.state.factors))
+    q = result.q
+    recon = dppvi.factors.multiply(result.adapter.prior, dppvi.factors.product(states[-1].factors))
     np.testing.assert_allclose(q.eta1, recon.eta1, rtol=1e-4, atol=1e-3)
     np.testing.assert_allclose(q.eta2, recon.eta2, rtol=1e-4)

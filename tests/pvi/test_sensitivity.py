@@ -1,0 +1,282 @@
+"""Empirical sensitivity of every released quantity, on many random neighbours (issue 12).
+
+For each mechanism and neighbouring relation the engine's own function computes the release
+without noise on a data set ``D`` and on a neighbour ``D'`` (a record added at a random position,
+removed, or replaced by an extreme one), **re-deriving everything the fit derives** from the data:
+the shard assignment (a keyed hash of each record, with the fit's secret and planned shard counts),
+the shard identities that key each shard's randomness, the client sets. The released change must
+not exceed the sensitivity the ledger accounts for (``privacy.sensitivity`` with the plan's kind);
+a small relative slack (1e-4) covers float32 rounding of sums whose order changes with the layout.
+
+This is the test that would have caught issue 12's findings 1-3: with the old permutation shards
+one added record moved the local-averaging release by 5C.
+"""
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import numpyro
+import numpyro.distributions as dist
+import optax
+import pytest
+
+import numpyro_dppvi as dppvi
+from numpyro_dppvi import factors, keys
+from numpyro_dppvi.factors import Gaussian
+from numpyro_dppvi.privacy import Privacy, sensitivity
+from numpyro_dppvi.privacy.mechanisms import tree_norm
+from numpyro_dppvi.pvi import server
+from numpyro_dppvi.pvi.shards import ROWS, make_shards
+from numpyro_dppvi.pvi.update_perturbation import trusted_aggregator_round
+from numpyro_dppvi.vips import BayesianLinearRegression, PolyaGammaLogisticRegression
+from numpyro_dppvi.vips.engine import scale_bounds
+
+CLIP = 0.05
+SLACK = 1 + 1e-4
+RELATIONS = ("add", "remove", "replace")
+NEIGHBOURS = 8  # per relation: random positions and records
+
+
+@dppvi.model
+def logistic(x, y=None):
+    w = numpyro.sample("w", dist.Normal(0.0, 1.0).expand([x.shape[1]]).to_event(1))
+    with numpyro.plate("data", x.shape[0]):
+        numpyro.sample("y", dist.Bernoulli(logits=x @ w), obs=y)
+
+
+def client_data(n, seed=0, extreme=3):
+    """``n`` ordinary records, the first ``extreme`` of them replaced by records far outside the bulk
+    (so that removing one of them saturates the clip)."""
+    rng = np.random.default_rng(seed)
+    x = rng.normal(size=(n, 2)).astype(np.float32)
+    y = (rng.uniform(size=n) < 1 / (1 + np.exp(-x @ np.array([1.0, -1.0])))).astype(np.float32)
+    x[:extreme] *= 30
+    return x, y
+
+
+def neighbours(client, relation, rng, count=NEIGHBOURS):
+    """``count`` neighbours of one client's data: an extreme record inserted at a random position,
+    a random record removed, or a random record replaced by an extreme one."""
+    n = len(client[0])
+    for _ in range(count):
+        extreme = (rng.normal(size=(1, 2)).astype(np.float32) * 30, rng.integers(0, 2, size=1).astype(np.float32))
+        i = int(rng.integers(0, n + (relation == "add")))
+        if relation == "remove" and rng.uniform() < 0.5:
+            i = int(rng.integers(0, 3))  # one of the extreme records
+        if relation == "add":
+            yield tuple(np.concatenate([a[:i], e, a[i:]]) for a, e in zip(client, extreme))
+        elif relation == "remove":
+            yield tuple(np.delete(a, i, axis=0) for a in client)
+        else:
+            yield tuple(np.concatenate([a[:i], e, a[i + 1:]]) for a, e in zip(client, extreme))
+
+
+def relation_of(relation):
+    return "substitute" if relation == "replace" else "add_remove"
+
+
+def distance(a, b):
+    return float(tree_norm(jax.tree.map(jnp.subtract, a, b)))
+
+
+# --------------------------------------------------------------------------- DP optimisation
+
+@pytest.mark.parametrize("relation", RELATIONS)
+def test_dp_optimisation_step_sum(relation):
+    """The released query of a DP-SGD step, ``sum_i clip(g_i)`` of the per-example likelihood
+    gradients over a batch holding every record (rate 1: the record is always in it)."""
+    client = client_data(40)
+    d = dppvi.DPPVI(logistic, method="dp_optimisation", batch_size=5, rounds=1, num_samples=3,
+                    privacy=Privacy(noise_multiplier=1.0, clip=CLIP))
+    d.init(jax.random.key(0), [client, client_data(40, 1)])
+    params = {"loc": jnp.array([0.3, -0.2]), "log_scale": jnp.array([-1.0, -0.5])}
+    eps = jax.random.normal(jax.random.key(1), (3, 2))
+    released = jax.jit(lambda arrays: d.rule.clipped_sum(params, eps, arrays, jnp.ones(arrays[0].shape[0], bool)))
+    base = released(client)
+    bound = sensitivity(CLIP, relation_of(relation), "sum_of_records")
+    worst = max(distance(released(other), base) for other in neighbours(client, relation, np.random.default_rng(0)))
+    assert worst <= bound * SLACK
+    assert worst > 0.5 * bound  # the extreme records do saturate the clip
+
+
+# --------------------------------------------------------------------------- shard releases
+
+SHARD_CASES = {
+    "local_averaging (3 hashed shards)": ("local_averaging", 3),
+    "parameter_perturbation": ("parameter_perturbation", None),
+    "virtual_clients (3 hashed shards)": ("virtual_clients", 3),
+    "virtual_clients (one record each)": ("virtual_clients", ROWS),
+    "local_averaging (one record each)": ("local_averaging", ROWS),
+}
+
+
+def shard_driver(method, shards, clients, trusted_aggregator=False):
+    d = dppvi.DPPVI(logistic, method=method, shards=shards, privacy=Privacy(noise_multiplier=1.0, clip=CLIP),
+                    local_steps=3, num_samples=2, rounds=2, optimizer=optax.adam(5e-2),
+                    trusted_aggregator=trusted_aggregator, schedule="synchronous")
+    key_data = keys.key_data(jax.random.key(3))
+    state = d._init(key_data, "user_key", clients)
+    return d, key_data, state
+
+
+def shard_inputs(d, key_data, clients, k_max, s_max):
+    """Every client's shard layout, shard ids and fresh private state, derived as the fit derives them
+    under the planned shard counts (the settings are those of D), padded to ``[M, k_max, s_max]`` so
+    that all neighbours share one compiled program."""
+    layout = make_shards(clients, d.shards, keys.derived_bytes(key_data, keys.SHARD_HASH_TAG), counts=d.num_shards)
+    m, k, s_ = layout.mask.shape
+    assert k <= k_max and s_ <= s_max
+    pad = lambda a: np.pad(a, [(0, 0), (0, k_max - k), (0, s_max - s_)] + [(0, 0)] * (a.ndim - 3))
+    arrays = tuple(jnp.asarray(pad(a)) for a in layout.arrays)
+    mask = jnp.asarray(pad(layout.mask))
+    ids = jnp.asarray(np.pad(layout.ids, [(0, 0), (0, k_max - k)]))
+    init = jax.vmap(d.rule.init_client_state)(arrays, mask, jax.random.split(jax.random.key(0), m))
+    cs = dict(init, ids=ids, num_shards=jnp.asarray(d.num_shards, jnp.float32), noise_std=jnp.zeros(m))
+    return arrays, mask, cs
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("relation", RELATIONS)
+@pytest.mark.parametrize("case", list(SHARD_CASES))
+def test_shard_release_over_two_rounds(case, relation):
+    """``S_m = sum_k clip(Delta_k)`` in round 1 from the prior, and in round 2 from a common public q
+    with each world's private state advanced by its own round 1 (the hidden state must not carry the
+    difference beyond the bound). C = 0.05 with Adam: the setting in which the old shards moved 5C."""
+    method, shards = SHARD_CASES[case]
+    client = client_data(20)
+    d, key_data, _ = shard_driver(method, shards, [client])
+    q0 = d.adapter.prior
+    q1 = factors.Gaussian(jnp.array([0.4, -0.3]), jnp.array([-1.5, -2.0]))
+    kind = d.plan.sensitivity_kind
+    bound = sensitivity(CLIP, relation_of(relation), kind)
+    assert kind == ("sum_of_records" if shards == ROWS else "shard_update")
+
+    @jax.jit
+    def two_rounds(arrays, mask, cs):
+        arrays, mask, cs = jax.tree.map(lambda a: a[0], (arrays, mask, cs))
+        first, tentative = d.rule.contribution(q0, q0, arrays, mask, jax.random.key(5), cs)
+        cs = d.rule.commit(cs, tentative, jnp.array(True))
+        second, _ = d.rule.contribution(q1, q1, arrays, mask, jax.random.key(6), cs)
+        return first, second
+
+    run = lambda data: two_rounds(*shard_inputs(d, key_data, [data], 21, 21))
+    base = run(client)
+    worst = 0.0
+    for other in neighbours(client, relation, np.random.default_rng(1), count=4):
+        released = run(other)
+        for r in range(2):
+            change = distance(released[r], base[r])
+            assert change <= bound * SLACK, (case, relation, r, change / CLIP)
+            worst = max(worst, change)
+    assert worst > 0.5 * CLIP
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("relation", RELATIONS)
+@pytest.mark.parametrize("method", ["local_averaging", "virtual_clients"])
+def test_trusted_aggregate(method, relation):
+    """The aggregate the server sees, noise-free: client 0 (3 hashed shards: local averaging enters
+    with weight 1/3, the other client's 2 shards with 1/2) changes by one record. Bound: weight x 2C."""
+    clients = [client_data(20), client_data(16, 1)]
+    d = dppvi.DPPVI(logistic, method=method, shards=lambda n: 3 if n != 16 else 2, trusted_aggregator=True,
+                    schedule="synchronous", privacy=Privacy(noise_multiplier=1.0, clip=CLIP), local_steps=3,
+                    num_samples=2, rounds=1, optimizer=optax.adam(5e-2))
+    key_data = keys.key_data(jax.random.key(3))
+    state = d._init(key_data, "user_key", clients)
+    weight = 1.0 / 3 if method == "local_averaging" else 1.0
+    bound = weight * sensitivity(CLIP, relation_of(relation), "shard_update")
+
+    @jax.jit
+    def aggregate(arrays, mask, cs):
+        start = state._replace(client_state=cs)
+        new, _ = trusted_aggregator_round(d.rule, 1.0, start, arrays, mask, d.sizes, jax.random.key(9),
+                                          jnp.ones(2, bool))
+        return factors.divide(new.q, start.q)
+
+    run = lambda first: aggregate(*shard_inputs(d, key_data, [first, clients[1]], 3, 21))
+    base = run(clients[0])
+    worst = 0.0
+    for other in neighbours(clients[0], relation, np.random.default_rng(2), count=4):
+        change = distance(run(other), base)
+        assert change <= bound * SLACK, (method, relation, change / CLIP)
+        worst = max(worst, change)
+    assert worst > 0.3 * bound
+
+
+# --------------------------------------------------------------------------- client-level DP
+
+@pytest.mark.parametrize("relation", ["add", "remove", "replace"])
+def test_client_level_aggregate(relation):
+    """One client's whole data added, removed or replaced (the unit is a client): the noise-free
+    aggregate moves by at most C (add/remove) or 2C (replace). Every client is sampled (rate 1).
+
+    A client's randomness (sampling bit, Monte Carlo draws) is keyed by its position, iid across
+    clients, so the mechanism is exchangeable in its clients; the coupling that pairs every remaining
+    client with its own randomness is the one where the changed client is the last: clients are
+    appended, the last one removed, and a random one replaced (positions unchanged)."""
+    rng = np.random.default_rng(4)
+    clients = [client_data(20, s) for s in range(4)]
+    privacy = Privacy(noise_multiplier=1.0, clip=CLIP)
+
+    def aggregate(client_set):
+        d = dppvi.DPPVI(logistic, method="pvi", privacy_unit="client", client_rate=1.0, privacy=privacy,
+                        schedule="synchronous", local_steps=5, num_samples=2, rounds=1, invalid="floor",
+                        precision_floor=1e-9)
+        state = d._init(keys.key_data(jax.random.key(3)), "user_key", client_set)
+        limits = jnp.full(len(client_set), 10, jnp.int32)
+        new, _ = server.client_level(d.rule, 1.0, state, d.data, d.mask, d.sizes, jax.random.key(4), limits,
+                                     CLIP, 0.0, 1.0, "floor", 1e-9)
+        return factors.divide(new.q, state.q)
+
+    base = aggregate(clients)
+    bound = sensitivity(CLIP, relation_of(relation), "sum_of_records")
+    worst = 0.0
+    for _ in range(2):
+        extreme = (rng.normal(size=(20, 2)).astype(np.float32) * 5, np.ones(20, np.float32))
+        if relation == "add":
+            other = clients + [extreme]
+        elif relation == "remove":
+            other = clients[:-1]
+        else:
+            other = list(clients)
+            other[int(rng.integers(0, 4))] = extreme
+        change = distance(aggregate(other), base)
+        assert change <= bound * SLACK, (relation, change / CLIP)
+        worst = max(worst, change)
+    assert worst > 0.3 * bound
+
+
+# --------------------------------------------------------------------------- VIPS
+
+VIPS_MODELS = {
+    "linear regression": BayesianLinearRegression(2, noise_scale=1.0, feature_bound=1.0, target_bound=1.0),
+    "logistic (Polya-Gamma)": PolyaGammaLogisticRegression(2, feature_bound=1.0),
+}
+
+
+@pytest.mark.parametrize("relation", RELATIONS)
+@pytest.mark.parametrize("name", list(VIPS_MODELS))
+def test_vips_ess_release(name, relation):
+    """The clipped ESS sum divided block-wise by its bounds (the release before noise; ``fit_vips`` and
+    each federated client release it): moves by at most sqrt(B) (add/remove) or 2 sqrt(B) (replace)."""
+    model = VIPS_MODELS[name]
+    rng = np.random.default_rng(5)
+    x = rng.normal(size=(30, 2)).astype(np.float32) * 0.4
+    y = (rng.uniform(size=30) < 0.5).astype(np.float32)
+    client = model.validate_data((x, y))
+    bounds = scale_bounds(model.block_bounds, 1.0)
+    enp = model.expected_natural_params(model.prior_params())
+
+    def released(data):
+        ess, _ = model.clipped_ess_sum(enp, data, jnp.ones(data[0].shape[0], bool), bounds)
+        return {k: v / bounds[k] for k, v in ess.items()}
+
+    base = released(client)
+    bound = sensitivity(np.sqrt(len(bounds)), relation_of(relation), "sum_of_records")
+    worst = 0.0
+    for other in neighbours(tuple(np.asarray(a) for a in client), relation, rng):
+        other = (other[0], np.clip(other[1], 0, 1)) if "logistic" in name else other
+        change = distance(released(other), base)
+        assert change <= bound * SLACK, (name, relation, change)
+        worst = max(worst, change)
+    assert worst > 0.3 * bound
