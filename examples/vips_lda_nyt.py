@@ -47,6 +47,17 @@ def prepare(num_documents, num_test, doc_length, seed):
     return (train_ids, train_counts), observed, held_out, unigram, corpus.vocabulary
 
 
+def clipped_fraction(model, result, train, clip):
+    """Fraction of training documents whose statistic the clip scales down at the final topics: a
+    diagnostic of the clip bound computed here on the raw data (not a private release: keep it local)."""
+    import jax.numpy as jnp
+
+    data = model.validate_data(train)
+    _, clipped = model.clipped_ess_sum(model.expected_natural_params(result.params), data,
+                                       jnp.ones(data[0].shape[0], bool), {"topic_word": clip * model.doc_length})
+    return float(clipped) / data[0].shape[0]
+
+
 def run(epsilons, num_topics, num_documents, num_test, doc_length, batch_size, iterations, clip, seed,
         inner_iterations, show_topics=3, verbose=True):
     train, observed, held_out, unigram, vocabulary = prepare(num_documents, num_test, doc_length, seed)
@@ -62,7 +73,7 @@ def run(epsilons, num_topics, num_documents, num_test, doc_length, batch_size, i
         row = {"method": "LDA" if epsilon is None else "VIPS LDA", "epsilon": result.epsilon,
                "noise_multiplier": result.noise_multiplier,
                "perplexity": model.completion_perplexity(result.params, observed, held_out),
-               "clipped_fraction": float(result.history["num_clipped"].sum() / result.history["batch_size"].sum()),
+               "clipped_fraction": clipped_fraction(model, result, train, clip),
                "seconds": round(time.perf_counter() - start, 1)}
         rows.append(row)
         if verbose:

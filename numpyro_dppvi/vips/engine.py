@@ -25,6 +25,7 @@ from typing import Any, Mapping, Protocol, runtime_checkable
 
 import jax
 import jax.numpy as jnp
+import numpy as np
 
 Params = Any  # pytree of the global variational parameters (natural parameters + hyper)
 ESS = dict  # block name -> array (per example, or summed over examples)
@@ -81,10 +82,23 @@ class ConjugateModelBase:
 
     Subclasses implement ``prior_params``, ``expected_natural_params``, ``example_ess``,
     ``m_step`` and ``sample_posterior`` and set ``block_bounds`` / ``symmetric_blocks``.
+    Every instance remembers its constructor arguments (:meth:`init_config`), so a saved fit can
+    rebuild its model from plain JSON, without pickle.
     """
 
     block_bounds: Mapping[str, float] = {}
     symmetric_blocks: tuple = ()
+
+    def __new__(cls, *args, **kwargs):
+        instance = super().__new__(cls)
+        instance._init_args = (args, kwargs)
+        return instance
+
+    def init_config(self) -> dict:
+        """``{"class", "args", "kwargs"}`` in JSON types: how to rebuild this model (:func:`model_from_config`)."""
+        args, kwargs = getattr(self, "_init_args", ((), {}))
+        return {"class": type(self).__name__, "args": [_to_json(a) for a in args],
+                "kwargs": {k: _to_json(v) for k, v in kwargs.items()}}
 
     def init_params(self, rng_key) -> Params:
         """Start of the stochastic VB iterations: the prior (no data seen)."""
@@ -129,9 +143,17 @@ def clip_example_blocks(per_example_ess: ESS, bounds: Mapping[str, float]):
     """Scale each example's block ``b`` to norm at most ``bounds[b]``: ``s <- s min(1, C_b/|s|)``.
 
     After this, one example changes the sum of block ``b`` by at most ``C_b`` in L2
-    (add/remove relation) whatever the data and the current ``q``. Returns the clipped
-    ESS and a ``[batch]`` bool marking examples of which some block was scaled down.
+    (add/remove relation) whatever the data and the current ``q``. An example with a non-finite
+    entry in any block contributes zero (within the bound; it can never make the release
+    non-finite). Returns the clipped ESS and a ``[batch]`` bool marking examples of which some
+    block was scaled down (a private diagnostic: never released).
     """
+    finite = None
+    for block in per_example_ess.values():
+        ok = jnp.all(jnp.isfinite(jnp.reshape(block, (block.shape[0], -1))), axis=1)
+        finite = ok if finite is None else finite & ok
+    per_example_ess = {name: jnp.where(finite.reshape((-1,) + (1,) * (block.ndim - 1)), block, 0.0)
+                       for name, block in per_example_ess.items()}
     norms = block_norms(per_example_ess)
     clipped, any_clipped = {}, None
     for name, block in per_example_ess.items():
@@ -176,3 +198,39 @@ def blend(old: Params, target: Params, rho) -> Params:
 
 def scale_ess(ess: ESS, factor) -> ESS:
     return {name: factor * block for name, block in ess.items()}
+
+
+def _to_json(value):
+    if isinstance(value, (bool, int, float, str)) or value is None:
+        return value
+    if isinstance(value, (tuple, list)):
+        return {"__tuple__": [_to_json(v) for v in value]} if isinstance(value, tuple) else [_to_json(v) for v in value]
+    if isinstance(value, Mapping):
+        return {"__dict__": {str(k): _to_json(v) for k, v in value.items()}}
+    array = np.asarray(value)
+    if array.dtype.kind in "biuf":
+        return {"__array__": array.tolist(), "dtype": array.dtype.str}
+    raise TypeError(f"cannot save a model constructor argument of type {type(value).__name__}")
+
+
+def _from_json(value):
+    if isinstance(value, list):
+        return [_from_json(v) for v in value]
+    if isinstance(value, dict):
+        if "__tuple__" in value:
+            return tuple(_from_json(v) for v in value["__tuple__"])
+        if "__dict__" in value:
+            return {k: _from_json(v) for k, v in value["__dict__"].items()}
+        if "__array__" in value:
+            return np.asarray(value["__array__"], dtype=np.dtype(value["dtype"]))
+    return value
+
+
+def model_from_config(config: dict, registry: Mapping[str, type]):
+    """Rebuild a model saved by :meth:`ConjugateModelBase.init_config`; only classes in ``registry``
+    (the package's own models) can be named, so a saved file never chooses arbitrary code."""
+    cls = registry.get(config.get("class"))
+    if cls is None:
+        raise ValueError(f"a saved VIPS fit names the model class {config.get('class')!r}, which is not one of "
+                         f"{sorted(registry)}; pass the model to load(path, model)")
+    return cls(*[_from_json(a) for a in config["args"]], **{k: _from_json(v) for k, v in config["kwargs"].items()})

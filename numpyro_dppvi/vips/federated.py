@@ -14,6 +14,11 @@ change of that released factor. The release's sensitivity is the joint clip norm
 one event ``Privacy.step_event(noise_multiplier, rate=1.0, count=1)`` for that client. With a
 trusted aggregator each of ``M`` clients passes ``noise_multiplier / sqrt(M)`` and the
 aggregated release is accounted with the full ``noise_multiplier`` (DESIGN §5.3).
+
+The model's clean-up of a noisy sum (PSD projection, clamping counts at zero) is not applied by
+the client: :func:`conjugate_server_update` applies it to the **sum** of the factors, i.e. to a
+complete release (with a trusted aggregator a single share carries only part of the noise, and a
+nonlinear map of it would not be post-processing of the noisy sum).
 """
 
 from __future__ import annotations
@@ -22,6 +27,7 @@ import jax
 import jax.numpy as jnp
 
 from numpyro_dppvi.vips.engine import blend, joint_sensitivity, scale_bounds
+from numpyro_dppvi.vips.release import release_ess
 
 
 def conjugate_client_delta(model, data, expected_natural_params, previous_factor=None, *, noise_key=None,
@@ -56,11 +62,8 @@ def conjugate_client_delta(model, data, expected_natural_params, previous_factor
     factor, num_clipped = model.clipped_ess_sum(expected_natural_params, data, mask, bounds)
     noise_std = 0.0
     if noise_multiplier > 0:
-        from numpyro_dppvi.vips.release import release_ess
-
         noise_std = float(noise_multiplier) * joint_sensitivity(bounds)
         factor = release_ess(factor, bounds, noise_std, noise_key, tuple(model.symmetric_blocks))
-        factor = model.postprocess_noisy_ess(factor)
     if previous_factor is None:
         previous_factor = jax.tree_util.tree_map(jnp.zeros_like, factor)
     delta = jax.tree_util.tree_map(lambda new, old: new - old, factor, previous_factor)
@@ -69,8 +72,12 @@ def conjugate_client_delta(model, data, expected_natural_params, previous_factor
     return delta, info
 
 
-def conjugate_server_update(model, params, factor_sum, rho: float = 1.0):
+def conjugate_server_update(model, params, factor_sum, rho: float = 1.0, noisy: bool = False):
     """Server M-step from the sum of the clients' factors: ``ν̃ <- (1-rho) ν̃ + rho (ν + sum_m t_m)``
-    followed by the model's hyperparameter refresh. Returns the new global parameters."""
+    followed by the model's hyperparameter refresh. With ``noisy=True`` the model's clean-up of a
+    noisy ESS sum (``postprocess_noisy_ess``) is applied to ``factor_sum`` first (post-processing of
+    the complete release). Returns the new global parameters."""
+    if noisy:
+        factor_sum = model.postprocess_noisy_ess(factor_sum)
     target = model.m_step(params, factor_sum)
     return model.refresh(blend(params, target, rho))

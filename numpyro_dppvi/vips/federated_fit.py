@@ -21,8 +21,10 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
+from numpyro_dppvi.keys import resolve as resolve_key
 from numpyro_dppvi.vips.engine import is_conjugate_model
 from numpyro_dppvi.vips.federated import conjugate_client_delta, conjugate_server_update
+from numpyro_dppvi.vips.release import noise_coordinates
 from numpyro_dppvi.vips.results import VIPSResult
 
 
@@ -56,13 +58,16 @@ def fit_federated_vips(model, clients, *, privacy=None, rounds: int = 1, schedul
     clients = validate_clients(clients)
     conjugate, data, numpyro_model, site_map = _resolve_model(model, clients, detect_options)
     num_clients = len(data)
-    rng_key = jax.random.key(0) if rng_key is None else rng_key
-    ledger, sigma, clip = None, 0.0, None
+    key_data, seed = resolve_key(rng_key)
+    rng_key = jax.random.wrap_key_data(key_data)
+    ledger, sigma, clip, dimension = None, 0.0, None, 1
     if privacy is not None:
         if privacy.adaptive_clip is not None:
             raise ValueError("VIPS clips every ESS block to its declared bound; adaptive_clip is not supported")
-        sigma = float(privacy.resolve(lambda z: [privacy.step_event(z, 1.0, int(rounds))]))
-        ledger = privacy.ledger(num_clients, trusted_aggregator)
+        dimension = noise_coordinates(_zero_factor(conjugate, data[0], conjugate.expected_natural_params(
+            conjugate.prior_params())), tuple(conjugate.symmetric_blocks))
+        sigma = float(privacy.resolve(lambda z: [privacy.step_event(z, 1.0, int(rounds), dimension=dimension)]))
+        ledger = privacy.ledger(num_clients, trusted_aggregator, seed=seed)
         clip = privacy.clip
     share = sigma / np.sqrt(num_clients) if trusted_aggregator else sigma
     params = conjugate.prior_params()
@@ -81,11 +86,11 @@ def fit_federated_vips(model, clients, *, privacy=None, rounds: int = 1, schedul
             delta = step(data[m], nbar, factors[m], key)
             factors[m] = jax.tree_util.tree_map(lambda t, d: t + damping * d, factors[m], delta)
             if ledger is not None:
-                ledger.record(m, privacy.step_event(sigma, 1.0, 1))
+                ledger.record(m, privacy.step_event(sigma, 1.0, 1, dimension=dimension))
             if schedule == "sequential":
-                params = conjugate_server_update(conjugate, params, _sum(factors), 1.0)
-        if schedule == "synchronous":
-            params = conjugate_server_update(conjugate, params, _sum(factors), 1.0)
+                params = conjugate_server_update(conjugate, params, _sum(factors), 1.0, noisy=privacy is not None)
+        if schedule == "synchronous":  # with a trusted aggregator only this sum is revealed
+            params = conjugate_server_update(conjugate, params, _sum(factors), 1.0, noisy=privacy is not None)
         entry = {"round": r + 1, "communications": (r + 1) * num_clients}
         if ledger is not None:
             entry["epsilon"] = ledger.epsilon

@@ -35,9 +35,11 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
+from numpyro_dppvi.keys import resolve as resolve_key
+from numpyro_dppvi.privacy import Privacy
 from numpyro_dppvi.vips.engine import (
-    blend, is_conjugate_model, joint_sensitivity, scale_ess, step_size)
-from numpyro_dppvi.vips.release import release_ess
+    blend, is_conjugate_model, joint_sensitivity, scale_bounds, scale_ess, step_size)
+from numpyro_dppvi.vips.release import noise_coordinates, plan_release, release_ess
 from numpyro_dppvi.vips.results import VIPSResult
 
 
@@ -113,7 +115,9 @@ def fit_vips(model, data, *, privacy=None, batch_size: int | None = None, iterat
         iterations: number of VB steps ``T``.
         tau0, kappa: step size ``rho_t = (tau0 + t)^(-kappa)``, ``t = 0..T-1``; ``kappa = 0`` with
             a full batch is batch VB.
-        rng_key: ``jax.random`` key (batches, noise, random initialisation).
+        rng_key: ``jax.random`` key (batches, noise, random initialisation). Leave it out for a
+            private fit: the key is then drawn from the operating system and never saved; a key you
+            pass must stay secret for the guarantee to hold (the ledger records which was used).
         detect_options: for a NumPyro model, the public per-record bounds passed to
             :func:`~numpyro_dppvi.vips.detect.detect_conjugate` (``feature_bound``,
             ``target_bound``, ``count_bound``); needed for a private fit of the Normal,
@@ -136,16 +140,20 @@ def fit_vips(model, data, *, privacy=None, batch_size: int | None = None, iterat
     batch_size = n if batch_size is None else batch_size
     _check_schedule(batch_size, iterations, tau0, kappa, n)
     iterations = int(iterations)
-    if rng_key is None:
-        raise ValueError("rng_key is required: pass e.g. jax.random.key(0).")
-    key_init, key_steps = jax.random.split(rng_key)
+    key_data, seed = resolve_key(rng_key)
+    key_init, key_steps = jax.random.split(jax.random.wrap_key_data(key_data))
 
     release = None
     if privacy is not None:
-        from numpyro_dppvi.vips.release import plan_release
-
+        if not isinstance(privacy, Privacy):
+            raise TypeError("fit_vips: privacy must be a numpyro_dppvi.Privacy(...) or None.")
+        bounds = scale_bounds(model.block_bounds, privacy.clip)
+        shapes = jax.eval_shape(lambda: model.clipped_ess_sum(
+            model.expected_natural_params(model.prior_params()), tuple(a[:1] for a in data), jnp.ones(1, bool),
+            bounds)[0])
         release = plan_release(privacy, model.block_bounds, n=n, batch_size=int(batch_size),
-                               iterations=iterations)
+                               iterations=iterations,
+                               dimension=noise_coordinates(shapes, tuple(model.symmetric_blocks)))
         sampler, bounds = release.sampler, release.bounds
     else:
         sampler, bounds = _non_private_batch(n, int(batch_size)), None
@@ -158,14 +166,14 @@ def fit_vips(model, data, *, privacy=None, batch_size: int | None = None, iterat
         idx, mask = sampler(key_batch)
         batch = tuple(a[idx] for a in arrays)
         enp = model.expected_natural_params(params)
-        ess, num_clipped = model.clipped_ess_sum(enp, batch, mask, bounds)
+        ess, _ = model.clipped_ess_sum(enp, batch, mask, bounds)  # the clip count is private: dropped
         if release is not None:
             ess = release_ess(ess, bounds, release.noise_std_rescaled, key_noise, symmetric)
             ess = model.postprocess_noisy_ess(ess)
         target = model.m_step(params, scale_ess(ess, scale))
         rho = step_size(t.astype(jnp.result_type(float)), tau0, kappa)
         new_params = model.refresh(blend(params, target, rho))
-        return new_params, {"rho": rho, "batch_size": jnp.sum(mask), "num_clipped": num_clipped}
+        return new_params, {"rho": rho}  # the realised batch size would reveal the Poisson sample
 
     @jax.jit
     def run(params, keys, arrays):  # data are arguments, not constants folded into the program
@@ -178,7 +186,7 @@ def fit_vips(model, data, *, privacy=None, batch_size: int | None = None, iterat
 
     ledger = None
     if release is not None:
-        ledger = release.record()
+        ledger = release.record(seed=seed)
     return VIPSResult(model=model, params=params, history=history, privacy=ledger,
                       noise_multiplier=None if release is None else release.noise_multiplier,
                       numpyro_model=numpyro_model, site_map=site_map,

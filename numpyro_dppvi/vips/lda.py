@@ -106,8 +106,10 @@ class LDA(ConjugateModelBase):
         contrib, _ = jax.vmap(self.document_estep, in_axes=(None, 0, 0))(
             expected_natural_params["log_beta"], word_ids, counts)  # [S, U, K]
         num_clipped = jnp.zeros((), jnp.int32)
-        if bounds is not None:
+        if bounds is not None:  # a document with a non-finite statistic contributes nothing (engine docstring)
             bound = bounds["topic_word"]
+            finite = jnp.all(jnp.isfinite(contrib), axis=(1, 2))
+            contrib = jnp.where(finite[:, None, None], contrib, 0.0)
             norms = jnp.sqrt(jnp.sum(contrib**2, axis=(1, 2)))
             contrib = contrib * jnp.minimum(1.0, bound / jnp.maximum(norms, 1e-30))[:, None, None]
             num_clipped = jnp.sum((norms > bound * (1.0 + 1e-6)) & mask)

@@ -28,11 +28,11 @@ from typing import Callable
 
 import jax
 import jax.numpy as jnp
+import numpy as np
 
 from numpyro_dppvi.privacy import (
-    GaussianEvent, Privacy, PrivacyLedger, gaussian_noise_like, poisson_batch,
-    poisson_overflow_probability, poisson_pad_size, symmetric_gaussian_noise,
-    without_replacement_batch)
+    GaussianEvent, Privacy, PrivacyLedger, add_gaussian_noise, add_symmetric_noise, poisson_batch,
+    poisson_overflow_probability, poisson_pad_size, without_replacement_batch)
 from numpyro_dppvi.vips.engine import joint_sensitivity, scale_bounds
 
 
@@ -56,9 +56,9 @@ class ReleasePlan:
     sampler: Callable
     privacy: Privacy
 
-    def record(self, ledger: PrivacyLedger | None = None, client: int = 0) -> PrivacyLedger:
+    def record(self, ledger: PrivacyLedger | None = None, client: int = 0, seed: str = "unspecified") -> PrivacyLedger:
         """Record the fit's releases (a new one-client ledger unless one is given)."""
-        ledger = self.privacy.ledger(1) if ledger is None else ledger
+        ledger = self.privacy.ledger(1, seed=seed) if ledger is None else ledger
         ledger.record(client, self.event)
         return ledger
 
@@ -78,9 +78,11 @@ def make_sampler(privacy: Privacy, n: int, batch_size: int, iterations: int):
     return (lambda key: without_replacement_batch(key, n, batch_size)), rate, 0.0
 
 
-def plan_release(privacy: Privacy, block_bounds, n: int, batch_size: int, iterations: int) -> ReleasePlan:
+def plan_release(privacy: Privacy, block_bounds, n: int, batch_size: int, iterations: int,
+                 dimension: int = 1) -> ReleasePlan:
     """Clip bounds, sampler, noise (calibrated to ``privacy.epsilon`` if no noise is given)
-    and the event of a private VIPS fit of ``iterations`` steps."""
+    and the event of a private VIPS fit of ``iterations`` steps, each drawing ``dimension`` noise
+    coordinates (:func:`noise_coordinates`)."""
     if not isinstance(privacy, Privacy):
         raise TypeError("privacy must be a numpyro_dppvi.Privacy(...) or None.")
     if privacy.epsilon_max is not None:
@@ -92,7 +94,7 @@ def plan_release(privacy: Privacy, block_bounds, n: int, batch_size: int, iterat
     sampler, rate, overflow = make_sampler(privacy, n, batch_size, iterations)
 
     def plan(noise_multiplier):
-        return [privacy.step_event(noise_multiplier, rate, iterations, overflow)]
+        return [privacy.step_event(noise_multiplier, rate, iterations, overflow, dimension)]
 
     sigma = privacy.resolve(plan)
     joint = joint_sensitivity(bounds)
@@ -104,23 +106,30 @@ def release_ess(ess_sum: dict, bounds: dict, noise_std_rescaled, key, symmetric_
     """``S_b + C_b * noise_b`` for every block, with one independent key per block.
 
     ``noise_b`` has std ``noise_std_rescaled``; for a block named in ``symmetric_blocks`` the
-    noise is symmetric in the last two axes (drawn per leading index).
+    noise is symmetric in the last two axes (drawn per leading index). The noise comes from the
+    float64 sampler of :mod:`numpyro_dppvi.privacy.noise` and is added before rounding.
     """
     names = sorted(ess_sum)
     keys = dict(zip(names, jax.random.split(key, len(names))))
     released = {}
     for name in names:
         block = ess_sum[name]
+        std = bounds[name] * noise_std_rescaled
         if name in symmetric_blocks:
-            dim = block.shape[-1]
-            lead = block.shape[:-2]
-            count = 1
-            for size in lead:
-                count *= size
-            draws = jax.vmap(lambda k: symmetric_gaussian_noise(k, dim, noise_std_rescaled, block.dtype))(
-                jax.random.split(keys[name], count))
-            noise = draws.reshape(block.shape)
+            released[name] = add_symmetric_noise(keys[name], block, std)
         else:
-            noise = gaussian_noise_like(keys[name], block, noise_std_rescaled)
-        released[name] = block + bounds[name] * noise
+            released[name] = add_gaussian_noise(keys[name], block, std)
     return released
+
+
+def noise_coordinates(ess_sum: dict, symmetric_blocks=()) -> int:
+    """Noise coordinates of one release (symmetric blocks: the upper triangle with the diagonal)."""
+    total = 0
+    for name, block in ess_sum.items():
+        shape = jnp.shape(block)
+        if name in symmetric_blocks:
+            lead = int(np.prod(shape[:-2], dtype=int))
+            total += lead * shape[-1] * (shape[-1] + 1) // 2
+        else:
+            total += int(np.prod(shape, dtype=int))
+    return total

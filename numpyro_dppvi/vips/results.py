@@ -8,7 +8,25 @@ from typing import Any, Callable
 import jax
 import numpy as np
 
-_FORMAT = "numpyro_dppvi.VIPSResult/1"
+_FORMAT = "numpyro_dppvi.VIPSResult/2"
+
+
+def _jsonable(value):
+    """History / info values in JSON types (arrays become lists)."""
+    if isinstance(value, dict):
+        return {str(k): _jsonable(v) for k, v in value.items()}
+    if isinstance(value, (list, tuple)):
+        return [_jsonable(v) for v in value]
+    if isinstance(value, (bool, int, float, str)) or value is None:
+        return value
+    array = np.asarray(value)
+    return array.tolist() if array.ndim else array.item()
+
+
+def _arrays_back(history):
+    if isinstance(history, dict):
+        return {k: np.asarray(v) if isinstance(v, list) and k != "rounds" else v for k, v in history.items()}
+    return history
 
 
 @dataclass
@@ -20,8 +38,9 @@ class VIPSResult:
         params: final global variational parameters (natural parameters and, where the model
             has them, hyperparameter posteriors); ``model.expected_natural_params(params)``
             gives ``n̄`` (Eq. 19).
-        history: per-iteration arrays: ``rho`` (step size), ``batch_size`` (records in the
-            batch), ``num_clipped`` (records with a clipped ESS block; 0 without privacy).
+        history: per-iteration arrays: ``rho`` (step size). Nothing data-dependent and unnoised
+            (the realised batch size, the number of clipped records) is kept: they would reveal a
+            record (docs/privacy.md).
         privacy: the :class:`~numpyro_dppvi.privacy.PrivacyLedger` of the fit (one client), or
             ``None`` for a non-private fit.
         noise_multiplier: noise std / joint clip norm actually used (``None`` without privacy).
@@ -68,43 +87,58 @@ class VIPSResult:
 
         return az.summary(self.to_arviz(num_samples, rng_key), kind="stats", **kwargs)
 
-    def save(self, path) -> None:
-        """Write the fit (model, parameters, history, ledger) to ``path`` (a pickle file).
+    def save(self, path, hmac_key: bytes | None = None) -> None:
+        """Publish the fit to ``path`` (``.npz`` + JSON, no pickle): parameters, public history, ledger,
+        the model's constructor arguments and, for a detected fit, the site layout.
 
-        The NumPyro model of a detected fit is stored by reference (importable module-level
-        functions only); pass it again to :meth:`load` if it cannot be pickled.
+        With ``hmac_key`` the file is authenticated (see :mod:`numpyro_dppvi.checkpoint`). The
+        NumPyro model of a detected fit is code and is not stored: pass it to :meth:`load`.
         """
-        import pickle
+        from numpyro_dppvi import checkpoint
+        from numpyro_dppvi.vips.engine import ConjugateModelBase
 
-        state = {"format": _FORMAT, "model": self.model,
-                 "params": jax.tree_util.tree_map(np.asarray, self.params),
-                 "history": self.history, "privacy": None if self.privacy is None else self.privacy.to_dict(),
-                 "noise_multiplier": self.noise_multiplier, "site_map": self.site_map, "info": self.info}
-        try:
-            numpyro_model = pickle.dumps(self.numpyro_model)
-        except (pickle.PicklingError, AttributeError, TypeError):
-            numpyro_model = None
-        state["numpyro_model"] = numpyro_model
-        with open(path, "wb") as handle:
-            pickle.dump(state, handle)
+        if not isinstance(self.model, ConjugateModelBase):
+            raise TypeError("VIPSResult.save stores the model by its constructor arguments, which needs one of "
+                            "numpyro_dppvi.vips's models (a ConjugateModelBase)")
+        meta = {"kind": "VIPSResult", "format": _FORMAT, "model": self.model.init_config(),
+                "history": _jsonable(self.history), "privacy": None if self.privacy is None else self.privacy.to_dict(),
+                "noise_multiplier": self.noise_multiplier, "info": _jsonable(self.info),
+                "site_map": None if self.site_map is None else {
+                    "names": list(self.site_map.names), "shapes": [list(s) for s in self.site_map.shapes],
+                    "source": self.site_map.source}}
+        checkpoint.save(path, {"params": self.params}, meta, hmac_key=hmac_key)
 
     @classmethod
-    def load(cls, path, numpyro_model=None) -> "VIPSResult":
-        """Read a fit written by :meth:`save` (the ledger is restored exactly)."""
-        import pickle
-
+    def load(cls, path, model=None, hmac_key: bytes | None = None) -> "VIPSResult":
+        """Read a fit written by :meth:`save` (the ledger is restored exactly). ``model``: the NumPyro
+        model of a detected fit (for ``predict``), or the ``ConjugateModel`` itself; by default the
+        model is rebuilt from the saved constructor arguments (package models only)."""
+        from numpyro_dppvi import checkpoint, vips
         from numpyro_dppvi.privacy import PrivacyLedger
+        from numpyro_dppvi.vips.detect import SiteLayout
+        from numpyro_dppvi.vips.engine import ConjugateModelBase, is_conjugate_model, model_from_config
 
-        with open(path, "rb") as handle:
-            state = pickle.load(handle)
-        if not isinstance(state, dict) or state.get("format") != _FORMAT:
-            raise ValueError(f"{path} is not a saved VIPSResult.")
-        if numpyro_model is None and state["numpyro_model"] is not None:
-            numpyro_model = pickle.loads(state["numpyro_model"])
-        ledger = None if state["privacy"] is None else PrivacyLedger.from_dict(state["privacy"])
-        return cls(model=state["model"], params=jax.tree_util.tree_map(jax.numpy.asarray, state["params"]),
-                   history=state["history"], privacy=ledger, noise_multiplier=state["noise_multiplier"],
-                   numpyro_model=numpyro_model, site_map=state["site_map"], info=state["info"])
+        arrays, meta = checkpoint.load(path, hmac_key=hmac_key)
+        if meta.get("kind") != "VIPSResult" or meta.get("format") != _FORMAT:
+            raise ValueError(f"{path} is not a saved VIPSResult (format {_FORMAT}).")
+        registry = {name: obj for name, obj in vars(vips).items()
+                    if isinstance(obj, type) and issubclass(obj, ConjugateModelBase)}
+        numpyro_model = None
+        if model is not None and is_conjugate_model(model):
+            if type(model).__name__ != meta["model"]["class"]:
+                raise ValueError(f"{path} holds a {meta['model']['class']} fit, not a {type(model).__name__}")
+            conjugate = model
+        else:
+            conjugate = model_from_config(meta["model"], registry)
+            numpyro_model = model
+        params = checkpoint.unflatten_like({"params": conjugate.prior_params()}, arrays)["params"]
+        layout = meta["site_map"]
+        site_map = None if layout is None else SiteLayout(tuple(layout["names"]),
+                                                          tuple(tuple(s) for s in layout["shapes"]), layout["source"])
+        ledger = None if meta["privacy"] is None else PrivacyLedger.from_dict(meta["privacy"])
+        return cls(model=conjugate, params=jax.tree_util.tree_map(jax.numpy.asarray, params),
+                   history=_arrays_back(meta["history"]), privacy=ledger, noise_multiplier=meta["noise_multiplier"],
+                   numpyro_model=numpyro_model, site_map=site_map, info=meta["info"])
 
     def predict(self, *inputs, num_samples: int = 500, rng_key=None, **kwargs):
         """Posterior predictive.

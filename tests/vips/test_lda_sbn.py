@@ -55,7 +55,10 @@ def test_private_lda_clips_documents_and_zeroes_negative_counts():
     result = fit_vips(model, (ids, counts), privacy=Privacy(noise_multiplier=1.0, clip=0.1), batch_size=50,
                       iterations=3, rng_key=jax.random.key(0))
     # a N = 6 and every document's statistic has norm >= 60 / sqrt(30) ~ 11 (at most 30 cells): all clipped
-    assert result.history["num_clipped"].sum() == result.history["batch_size"].sum()
+    enp = model.expected_natural_params(result.params)
+    _, num_clipped = model.clipped_ess_sum(enp, model.validate_data((ids, counts)), jnp.ones(100, bool),
+                                           {"topic_word": 0.1 * model.doc_length})
+    assert int(num_clipped) == 100
     # noise of std sigma a N (D/S) = 12 per entry would make many entries negative; they are set to 0,
     # so lambda = blend of (random init ~ 1) and (eta + non-negative) stays >= eta
     assert bool(jnp.all(result.params["lam"] >= model.eta - 1e-6))

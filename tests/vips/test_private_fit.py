@@ -50,11 +50,7 @@ def test_ledger_records_the_sampler_actually_used(sampling, neighbouring, accoun
     assert event.rate == pytest.approx(50 / 400)
     assert event.noise_multiplier == pytest.approx(event_nm)
     assert result.epsilon == pytest.approx(epsilon_of_events([event], 1e-5, neighbouring, accountant), rel=1e-9)
-    sizes = result.history["batch_size"]
-    if sampling == "without_replacement":
-        assert np.all(sizes == 50)
-    else:  # Poisson: sizes vary around the expected 50 (sd ~ 6.6)
-        assert sizes.std() > 0 and abs(sizes.mean() - 50) < 15
+    assert set(result.history) == {"rho"}  # the realised batch sizes would reveal the sample
 
 
 def test_calibrated_noise_meets_the_budget():
@@ -124,9 +120,10 @@ def test_private_client_step_reports_its_noise():
 def test_save_and_load_keep_posterior_and_ledger(tmp_path):
     result = fit_vips(BetaBernoulli(), (Y,), privacy=Privacy(noise_multiplier=2.0), batch_size=100, iterations=5,
                       rng_key=jax.random.key(0))
-    path = tmp_path / "fit.pkl"
+    path = tmp_path / "fit.npz"
     result.save(path)
     loaded = type(result).load(path)
     assert float(loaded.params["alpha"]) == float(result.params["alpha"])
     assert loaded.epsilon == result.epsilon and loaded.privacy.events(0) == result.privacy.events(0)
-    np.testing.assert_array_equal(loaded.history["batch_size"], result.history["batch_size"])
+    np.testing.assert_array_equal(loaded.history["rho"], result.history["rho"])
+    assert type(loaded.model) is type(result.model) and loaded.model.init_config() == result.model.init_config()
