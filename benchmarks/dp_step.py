@@ -59,7 +59,7 @@ def step_speed(model, clients, batch_size: int, repeats: int) -> dict:
     dp["examples_per_s"] = batch_size / dp["median_s"]
     non_private["examples_per_s"] = batch_size / non_private["median_s"]
     ratio = dp["examples_per_s"] / non_private["examples_per_s"]
-    return {"padded_batch": int(driver.plan.max_batch), "noise_multiplier": float(driver.plan.noise_multipliers[0]),
+    return {"chunk": int(driver.plan.chunk), "noise_multiplier": float(driver.plan.noise_multipliers[0]),
             "dp": dp, "non_private": non_private, "dp_over_non_private": ratio,
             "meets_target": bool(ratio >= TARGET_RATIO)}
 

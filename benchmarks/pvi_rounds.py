@@ -1,58 +1,85 @@
-"""Time of one PVI round on Adult with 10 clients (logistic regression, batch 100, 10 local steps).
+"""Time and peak memory of one synchronous PVI round at 10, 100 and 1000 clients (issue 13).
 
-Measures (second call, median of 5): a synchronous round (clients ``vmap``-ed over padded data), a
-sequential round (``lax.scan`` over clients), and the same synchronous work done by calling the
-jitted single-client update once per client from Python; reports the speedup of ``vmap`` over that
-loop, both measured in this run.
+Each client holds 100 rows drawn (with replacement) from UCI Adult (108 features + bias; logistic
+regression), 10 local steps, 10 Monte Carlo draws. For each number of clients M, in a process of
+its own (so that its peak resident memory is its own): the non-private round (uniform batches of 10)
+and the DP-optimisation round (Poisson batches of expected size 10, clip 2, noise multiplier 1),
+second call, median of ``repeats``; the process's peak RSS. Reported: seconds per round, seconds
+per client, the DP / non-private ratio at each M, and peak memory. Targets: time and memory
+linear in M; the DP round <= 3x the non-private one at M = 1000.
 """
 
+import json
+import resource
+import subprocess
 import sys
 from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 
 import jax  # noqa: E402
-import jax.numpy as jnp  # noqa: E402
+import numpy as np  # noqa: E402
 import optax  # noqa: E402
-from _common import time_call, write  # noqa: E402
+from _common import time_interleaved, write  # noqa: E402
 
 import numpyro_dppvi as dppvi  # noqa: E402
-from numpyro_dppvi import factors  # noqa: E402
 from numpyro_dppvi.cli import logistic_model  # noqa: E402
+from numpyro_dppvi.privacy import Privacy  # noqa: E402
+
+ROWS, STEPS, BATCH, DRAWS = 100, 10, 10, 10
 
 
-def main(repeats: int = 5):
+def clients(num_clients: int):
     x, y, _, _ = dppvi.datasets.load_adult(split="train_test")
-    clients = dppvi.partition((x, y), num_clients=10, seed=0)
+    rows = np.random.default_rng(0).integers(0, len(y), size=(num_clients, ROWS))
+    return [(x[r], y[r]) for r in rows]
+
+
+def measure(num_clients: int, repeats: int) -> dict:
+    """One process's measurement (run by ``main`` in a subprocess per M)."""
+    data = clients(num_clients)
     model = logistic_model()
+    common = dict(schedule="synchronous", local_steps=STEPS, batch_size=BATCH, num_samples=DRAWS, damping=0.5,
+                  optimizer=optax.adam(1e-2), rounds=1)
+    rounds = {}
+    for name, extra in (("non_private", {}), ("dp", dict(method="dp_optimisation",
+                                                         privacy=Privacy(noise_multiplier=1.0, clip=2.0)))):
+        driver = dppvi.DPPVI(model, **common, **extra)
+        state = driver.init(None, data)
+        limits = driver.limits(state, 1)
+        rounds[name] = (lambda d=driver, s=state, l=limits: d._round(s, d.data, d.mask, d.sizes, l)[0].q.eta1)
+    timed = time_interleaved(rounds, repeats)
+    out = {name: {"median_s": t["median_s"], "per_client_s": t["median_s"] / num_clients} for name, t in timed.items()}
+    out["dp_over_non_private"] = out["dp"]["median_s"] / out["non_private"]["median_s"]
+    out["peak_rss_mb"] = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024
+    return out
+
+
+def main(repeats: int = 5, sizes=(10, 100, 1000)):
     results = {}
-    for schedule in ("synchronous", "sequential"):
-        driver = dppvi.DPPVI(model, schedule=schedule, optimizer=optax.adam(1e-2), local_steps=10, batch_size=100,
-                             num_samples=10, damping=0.5)
-        state = driver.init(jax.random.key(0), clients)
-        order = driver._order(state, driver.sizes)
-        results[f"{schedule}_round"] = time_call(
-            lambda: driver._round(state, driver.data, driver.mask, driver.sizes, order)[0].q, repeats)
-
-    driver = dppvi.DPPVI(model, schedule="synchronous", optimizer=optax.adam(1e-2), local_steps=10, batch_size=100,
-                         num_samples=10, damping=0.5)
-    state = driver.init(jax.random.key(0), clients)
-    update = jax.jit(driver.rule.update)
-    cavity = factors.divide(state.q, jax.tree.map(lambda a: a[0], state.factors))
-
-    def loop():
-        out = []
-        for m in range(driver.num_clients):
-            rows = tuple(a[m] for a in driver.data)
-            out.append(update(state.q, cavity, rows, driver.mask[m], driver.sizes[m], jax.random.key(m), ())[0].eta1)
-        return jnp.stack(out)
-
-    results["synchronous_python_loop_over_clients"] = time_call(loop, repeats)
-    results["speedup_vmap_over_loop"] = (results["synchronous_python_loop_over_clients"]["median_s"]
-                                         / results["synchronous_round"]["median_s"])
-    write("pvi_rounds", {"setting": "Adult, 10 clients, logistic regression, batch 100, 10 local steps, 10 MC draws",
-                         "repeats": repeats, **results})
+    for m in sizes:
+        run = subprocess.run([sys.executable, __file__, "--one", str(m), str(repeats)], check=True,
+                             capture_output=True, text=True)
+        results[str(m)] = json.loads(run.stdout.strip().splitlines()[-1])
+    small, large = results[str(sizes[0])], results[str(sizes[-1])]
+    scale = sizes[-1] / sizes[0]
+    summary = {
+        "time_growth_non_private": large["non_private"]["median_s"] / small["non_private"]["median_s"] / scale,
+        "time_growth_dp": large["dp"]["median_s"] / small["dp"]["median_s"] / scale,
+        "dp_over_non_private_at_largest": large["dp_over_non_private"],
+        "meets_dp_target": bool(large["dp_over_non_private"] <= 3.0),
+    }
+    write("pvi_rounds", {"setting": f"synchronous round; {ROWS} Adult rows per client (resampled), logistic "
+                                    f"regression, {STEPS} local steps, batch {BATCH}, {DRAWS} MC draws; DP: "
+                                    "Poisson batches, clip 2, noise multiplier 1",
+                         "repeats": repeats, "clients": results,
+                         "growth_note": "time_growth_* = (time at the largest M / time at the smallest M) / "
+                                        "(largest M / smallest M): 1 is linear, below 1 sublinear",
+                         **summary})
 
 
 if __name__ == "__main__":
-    main()
+    if len(sys.argv) > 1 and sys.argv[1] == "--one":
+        print(json.dumps(measure(int(sys.argv[2]), int(sys.argv[3]))))
+    else:
+        main()

@@ -6,6 +6,7 @@ and vertical federated learning (``fit_vfl``).
 """
 
 from . import datasets, factors, optim, privacy, vfl, vips
+from .compilation_cache import enable_compilation_cache
 from .data import pad_clients, partition, partition_by, validate_clients
 from .model import ModelAdapter, model
 from .privacy import Privacy, PrivacyLedger
@@ -20,6 +21,6 @@ __version__ = "0.1.0"
 
 __all__ = [
     "DPPVI", "DPPVIResult", "FitDiverged", "ModelAdapter", "PVIState", "Privacy", "PrivacyLedger", "VFLClient",
-    "datasets", "factors", "fit_bcm", "fit_dppvi", "fit_global_vi", "fit_vfl", "fit_vips", "load", "model", "optim",
+    "datasets", "enable_compilation_cache", "factors", "fit_bcm", "fit_dppvi", "fit_global_vi", "fit_vfl", "fit_vips", "load", "model", "optim",
     "pad_clients", "partition", "partition_by", "privacy", "validate_clients", "vfl", "vips",
 ]

@@ -379,6 +379,10 @@ def build_parser(root: Path | None) -> argparse.ArgumentParser:
 
 def main(argv=None) -> int:
     args = build_parser(checkout_root()).parse_args(argv)
+    if os.environ.get("NUMPYRO_DPPVI_NO_COMPILATION_CACHE", "").strip() in ("", "0"):
+        from .compilation_cache import enable_compilation_cache  # on by default for the command line
+
+        enable_compilation_cache()
     if args.command == "demo":
         return demo(args)
     if args.command == "run":

@@ -154,7 +154,12 @@ def adaptive_clip_update(state: AdaptiveClipState, norms, mask, key) -> Adaptive
     """One private quantile step: noisy centred count of ``norms <= clip`` over the batch rows
     (``mask``), then the geometric update of the clip. ``norms`` are the *unclipped*
     per-example norms of the step's batch (as returned by ``clip_per_example``)."""
-    noisy = add_gaussian_noise(key, centred_count(norms, mask, state.clip), state.count_noise_std)
+    return adaptive_clip_update_from_count(state, centred_count(norms, mask, state.clip), key)
+
+
+def adaptive_clip_update_from_count(state: AdaptiveClipState, count, key) -> AdaptiveClipState:
+    """:func:`adaptive_clip_update` from the batch's centred count (summed chunk by chunk)."""
+    noisy = add_gaussian_noise(key, count, state.count_noise_std)
     fraction_below = noisy / state.expected_batch_size + 0.5
     new_clip = state.clip * jnp.exp(-state.learning_rate * (fraction_below - state.target_quantile))
     return state._replace(clip=new_clip)

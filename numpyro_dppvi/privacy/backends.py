@@ -27,6 +27,7 @@ autodp               both relations      add_remove only        substitute only,
 
 from __future__ import annotations
 
+import functools
 import math
 from typing import Iterable, Sequence
 
@@ -107,19 +108,35 @@ def epsilon(
     """Epsilon at ``delta`` of the composition of ``events`` (0.0 for no events).
 
     ``pld_discretization`` (PLD only): coarser values are faster and remain upper bounds
-    (pessimistic rounding), slightly less tight; the ledger always uses the default."""
+    (pessimistic rounding), slightly less tight; the ledger always uses the default.
+
+    Results are memoised per (events, delta, relation, backend, grid) in the process, and PLD
+    builds the PLD of one release once per (noise, sampling, rate, relation, grid) and composes it
+    for each count exactly as ``dp_accounting``'s accountant does (bit-identical epsilons): a
+    ledger, a budget stop rule and a calibration asking the same question pay for it once.
+    """
     delta = check_delta(delta)
     events = merge_events(events)
     check_supported(events, neighbouring, backend)
     if not events:
         return 0.0
+    key = tuple((e.noise_multiplier, e.sampling, e.rate, e.count) for e in events)
+    return _epsilon(key, delta, neighbouring, backend, float(pld_discretization))
+
+
+@functools.lru_cache(maxsize=4096)
+def _epsilon(events: tuple, delta: float, neighbouring: str, backend: str, discretization: float) -> float:
     if backend == "pld":
-        value = _pld_epsilon(events, delta, neighbouring, pld_discretization)
+        value = _pld_epsilon(events, delta, neighbouring, discretization)
     elif backend == "rdp":
-        value = _rdp_epsilon(events, delta, neighbouring)
+        value = _rdp_epsilon([_event(*e) for e in events], delta, neighbouring)
     else:
-        value = _autodp_epsilon(events, delta)
+        value = _autodp_epsilon([_event(*e) for e in events], delta)
     return max(float(value), 0.0)
+
+
+def _event(noise_multiplier, sampling, rate, count) -> GaussianEvent:
+    return GaussianEvent(noise_multiplier, sampling, rate, count)
 
 
 def _dp_accounting_relation(neighbouring: str):
@@ -129,22 +146,43 @@ def _dp_accounting_relation(neighbouring: str):
     return rel.ADD_OR_REMOVE_ONE if neighbouring == "add_remove" else rel.REPLACE_ONE
 
 
-def _pld_epsilon(events, delta, neighbouring, discretization=PLD_DISCRETIZATION) -> float:
-    import dp_accounting
-    from dp_accounting import pld
+def _pld_epsilon(events: tuple, delta, neighbouring, discretization=PLD_DISCRETIZATION) -> float:
+    """``dp_accounting``'s ``PLDAccountant`` composition, with the release PLDs cached: for each
+    event ``identity.compose(release.self_compose(count))`` (Poisson) or the Gaussian PLD at
+    ``sigma / sqrt(count)`` (no sampling), in order, as the accountant composes them."""
+    from dp_accounting.pld import privacy_loss_distribution as pld
 
-    accountant = pld.PLDAccountant(
-        _dp_accounting_relation(neighbouring), value_discretization_interval=discretization
-    )
-    # dp_accounting's REPLACE_ONE Gaussian unit is C = half the replace-one sensitivity.
-    unit = 1.0 if neighbouring == "add_remove" else 2.0
-    for e in events:
-        gaussian = dp_accounting.GaussianDpEvent(unit * e.noise_multiplier)
-        if e.sampling == "poisson" and e.rate < 1.0:
-            accountant.compose(dp_accounting.PoissonSampledDpEvent(e.rate, gaussian), e.count)
+    total = pld.identity(value_discretization_interval=discretization)
+    for noise_multiplier, sampling, rate, count in events:
+        if sampling == "poisson" and rate < 1.0:
+            release = _subsampled_gaussian_pld(noise_multiplier, rate, neighbouring, discretization)
+            total = total.compose(release.self_compose(count))
         else:
-            accountant.compose(dp_accounting.SelfComposedDpEvent(gaussian, e.count))
-    return accountant.get_epsilon(delta)
+            total = total.compose(_gaussian_pld(noise_multiplier / math.sqrt(count), neighbouring, discretization))
+    return total.get_epsilon_for_delta(delta)
+
+
+# dp_accounting's REPLACE_ONE Gaussian unit is C = half the replace-one sensitivity.
+def _unit(neighbouring: str) -> float:
+    return 1.0 if neighbouring == "add_remove" else 2.0
+
+
+@functools.lru_cache(maxsize=256)
+def _subsampled_gaussian_pld(noise_multiplier, rate, neighbouring, discretization):
+    from dp_accounting.pld import privacy_loss_distribution as pld
+
+    return pld.from_gaussian_mechanism(
+        standard_deviation=_unit(neighbouring) * noise_multiplier, value_discretization_interval=discretization,
+        sampling_prob=rate, neighboring_relation=_dp_accounting_relation(neighbouring))
+
+
+@functools.lru_cache(maxsize=256)
+def _gaussian_pld(noise_multiplier, neighbouring, discretization):
+    from dp_accounting.pld import privacy_loss_distribution as pld
+
+    return pld.from_gaussian_mechanism(
+        standard_deviation=_unit(neighbouring) * noise_multiplier, value_discretization_interval=discretization,
+        neighboring_relation=_dp_accounting_relation(neighbouring))
 
 
 def _rdp_epsilon(events, delta, neighbouring) -> float:

@@ -2,17 +2,22 @@
 budget.
 
 Epsilon of a composition of Gaussian releases is strictly decreasing in the noise multiplier, so
-the answer is the root of ``epsilon(sigma) = target``. We bracket it with the cheap dp_accounting
-RDP accountant (an upper bound on the tight PLD epsilon, so the RDP root is a safe upper end),
-then refine with the chosen backend by Illinois regula falsi on ``log epsilon`` vs ``log sigma``
-(nearly linear, so a handful of accountant calls suffice) until the bracket's relative width is
-below ``rtol``. The upper end is returned: its epsilon, computed with the chosen backend, is
-``<= target``, and ``sigma / (1 + rtol)`` exceeds the target.
+the answer is the root of ``epsilon(sigma) = target``, found by secant steps on ``log epsilon`` vs
+``log sigma`` (nearly linear, so a handful of accountant calls suffice) until the bracket's
+relative width is below ``rtol``. With the PLD backend the search runs on coarse grids first
+(1e-2, then 1e-3: upper bounds, 10-20x cheaper) and ends with one evaluation on the ledger's grid
+(1e-4), which the ledger's report then reuses (memoised in ``backends``). The upper end is
+returned: its epsilon, computed with the chosen backend on the ledger's grid, is ``<= target``, and
+``sigma / (1 + rtol)`` exceeds the target. Solutions are memoised per plan in the process.
 """
 
 from __future__ import annotations
 
+import json
 import math
+import os
+from collections import OrderedDict
+from pathlib import Path
 from typing import Callable, Sequence, Union
 
 from . import backends
@@ -22,8 +27,13 @@ Plan = Union[Sequence[GaussianEvent], Callable[[float], Sequence]]
 
 SIGMA_MIN = 1e-2
 SIGMA_MAX = 1e4
-#: PLD grid used while searching (the final check uses the ledger's grid).
+#: PLD grids used while searching (the final check uses the ledger's grid).
+ROUGH_PLD_DISCRETIZATION = 1e-2
 COARSE_PLD_DISCRETIZATION = 1e-3
+#: Solved calibrations of this process, keyed by the plan's events at two noise levels and the
+#: budget: a second fit with the same plan (the same fit again, a resume) does not search again.
+_SOLVED: OrderedDict = OrderedDict()
+_MAX_SOLVED = 256
 
 
 def _plan_function(plan: Plan) -> Callable[[float], list[tuple[GaussianEvent, ...]]]:
@@ -111,6 +121,58 @@ def calibrate_noise(
         raise ValueError("the plan has no releases: any noise multiplier meets the budget.")
     for events in plan_fn(1.0):
         backends.check_supported(events, neighbouring, backend)
+    # what epsilon depends on (not the overflow or the noise dimension, which are delta's)
+    signature = tuple(tuple((e.noise_multiplier, e.sampling, e.rate, e.count) for e in client)
+                      for sigma in (1.0, 2.0) for client in plan_fn(sigma))
+    memo_key = (signature, float(epsilon), delta, neighbouring, backend, float(rtol))
+    if memo_key in _SOLVED:
+        _SOLVED.move_to_end(memo_key)
+        return _SOLVED[memo_key]
+    sigma = _from_disk(memo_key)
+    if sigma is None or plan_epsilon(plan_fn, sigma, delta, neighbouring, backend) > epsilon:
+        sigma = _calibrate(epsilon, delta, plan_fn, neighbouring, backend, rtol)
+        _to_disk(memo_key, sigma)
+    _SOLVED[memo_key] = sigma
+    while len(_SOLVED) > _MAX_SOLVED:
+        _SOLVED.popitem(last=False)
+    return sigma
+
+
+#: A JSON file where solved calibrations persist across processes (set by
+#: :func:`numpyro_dppvi.enable_compilation_cache`); ``None``: in-process memo only.
+persistent_memo: Path | None = None
+
+
+def _from_disk(memo_key) -> float | None:
+    """A calibration solved by an earlier process. Never trusted blindly: the caller checks on the
+    ledger's grid that it meets the budget before using it (a stale or edited file costs a search)."""
+    if persistent_memo is None:
+        return None
+    try:
+        value = json.loads(persistent_memo.read_text()).get(repr(memo_key))
+    except (OSError, ValueError):
+        return None
+    return float(value) if isinstance(value, (int, float)) and math.isfinite(value) and value > 0 else None
+
+
+def _to_disk(memo_key, sigma: float) -> None:
+    if persistent_memo is None:
+        return
+    try:
+        entries = json.loads(persistent_memo.read_text()) if persistent_memo.exists() else {}
+    except (OSError, ValueError):
+        entries = {}
+    entries[repr(memo_key)] = sigma
+    tmp = persistent_memo.with_suffix(f".{os.getpid()}.tmp")
+    try:
+        tmp.write_text(json.dumps(entries))
+        os.replace(tmp, persistent_memo)
+    except OSError:  # a read-only cache folder: the memo stays in this process
+        pass
+
+
+def _calibrate(epsilon, delta, plan_fn, neighbouring, backend, rtol) -> float:
+    """The search of :func:`calibrate_noise` (validated inputs, no memo)."""
 
     def eps_of(sigma, which, discretization=backends.PLD_DISCRETIZATION, fn=plan_fn):
         return plan_epsilon(fn, sigma, delta, neighbouring, which, discretization)
@@ -127,17 +189,16 @@ def calibrate_noise(
         def search_fn(sigma):
             return [plan_fn(sigma)[worst]]
 
-    cheap = "rdp" if _supports(plan_fn, neighbouring, "rdp") else backend
-    if cheap == backend:
+    if backend != "pld":
         sigma = _solve(lambda s: eps_of(s, backend, fn=search_fn), epsilon, 1.0, rtol)
     else:
-        # PLD: start from the RDP root (RDP >= PLD, so it is a safe upper end). The search uses
-        # a coarse PLD grid (also an upper bound, ~10x faster, within ~1e-3 of the fine grid);
-        # the answer is then checked, and if need be raised, on the ledger's fine grid.
-        start = _solve(lambda s: eps_of(s, cheap, fn=search_fn), epsilon, 1.0, 1e-2)
+        # PLD at three resolutions, each an upper bound (pessimistic rounding) and each ~2-10x
+        # cheaper than the next: a 1e-2 grid finds the root within 2%, a 1e-3 grid within rtol
+        # from there, and the answer is checked, and if need be raised, on the ledger's grid.
+        rough = _solve(lambda s: eps_of(s, backend, ROUGH_PLD_DISCRETIZATION, fn=search_fn), epsilon, 1.0, 2e-2)
         sigma = _solve(
             lambda s: eps_of(s, backend, COARSE_PLD_DISCRETIZATION, fn=search_fn),
-            epsilon, start, rtol,
+            epsilon, rough, rtol,
         )
     while eps_of(sigma, backend) > epsilon:
         sigma *= 1.0 + rtol

@@ -11,8 +11,10 @@ published, and writes the state only to a private checkpoint (``checkpoint=path`
 from __future__ import annotations
 
 import dataclasses
+import functools
 import time
-from typing import Callable, Sequence
+from dataclasses import dataclass
+from typing import Any, Callable, Sequence
 
 import jax
 import jax.numpy as jnp
@@ -21,6 +23,7 @@ import optax
 
 from .. import checkpoint as checkpoints
 from .. import factors, keys
+from ..cache import cached, shapes
 from ..data import pad_clients, validate_clients
 from ..evaluation import evaluate
 from ..factors import Gaussian
@@ -39,11 +42,106 @@ METHODS = ("pvi", "dp_optimisation", "local_averaging", "virtual_clients", "para
 UPDATE_METHODS = ("local_averaging", "virtual_clients", "parameter_perturbation")
 PRIVACY_UNITS = ("example", "client")
 CHECKPOINT_FORMAT = "numpyro_dppvi.DPPVICheckpoint/1"
+#: The optimiser used when none is given: one object, so that fits with the default share compiled programs.
+DEFAULT_OPTIMIZER = optax.adam(1e-2)
 #: Settings a resumed fit must share with its checkpoint (the privacy ones are checked against the
 #: stored ledger too): any change would make the stored ledger count the wrong releases.
 RESUME_SETTINGS = ("method", "schedule", "local_steps", "batch_size", "num_samples", "damping", "server_steps",
                    "shards", "invalid", "precision_floor", "trusted_aggregator", "privacy_unit", "client_rate",
                    "planned_rounds", "privacy")
+
+
+@dataclass(frozen=True)
+class RoundSpec:
+    """Everything static about one round: the key of its compiled program (:func:`round_program`).
+
+    Two fits with equal specs (the same rule objects, hence the same adapter and optimiser, and the
+    same settings) share one jitted program, so a second fit, a resume or a new ``init`` compiles
+    nothing new for inputs of the same shapes.
+    """
+
+    rule: Any
+    server_step: Any
+    schedule: str
+    damping: float
+    privacy_unit: str
+    trusted_aggregator: bool
+    client_rate: float
+    clip: float | None
+    invalid: str
+    precision_floor: float
+    num_clients: int
+
+
+def _round(spec: RoundSpec, state: PVIState, data, mask, sizes, limits, server_noise_std):
+    """One round of the fit described by ``spec`` (pure; jitted by :func:`round_program`)."""
+    key = server.round_key(state)
+    k_server, k_order, k_clients = jax.random.split(key, 3)
+    if spec.server_step is not None:
+        state = server.refine_server_factor(spec.server_step, state, k_server)
+    if spec.privacy_unit == "client":
+        return server.client_level(spec.rule, spec.damping, state, data, mask, sizes, k_clients, limits,
+                                   spec.clip, server_noise_std, spec.client_rate, spec.invalid, spec.precision_floor)
+    if spec.trusted_aggregator:
+        state, stopped = server.stop_over_budget(state, limits)
+        new_state, metrics = trusted_aggregator_round(spec.rule, spec.damping, state, data, mask, sizes,
+                                                      k_clients, state.active)
+        return server.charge(new_state, state.active), dict(metrics, stopped=stopped)
+    if spec.schedule == "synchronous":
+        return server.synchronous(spec.rule, spec.damping, state, data, mask, sizes, k_clients, limits)
+    if spec.schedule == "asynchronous":
+        order = server.arrival_order(k_order, sizes, state.active, spec.num_clients)
+    else:
+        order = jnp.arange(spec.num_clients)
+    return server.arrivals(spec.rule, spec.damping, state, data, mask, sizes, k_clients, order, limits,
+                           stale=spec.schedule == "asynchronous")
+
+
+def round_program(spec: RoundSpec) -> Callable:
+    """``jit(round)`` for ``spec``, built once per spec in the process (:mod:`numpyro_dppvi.cache`)."""
+    return cached(("pvi-round", spec), lambda: jax.jit(lambda *args: _round(spec, *args)))
+
+
+def _initial_state(rule, server_step, num_clients, data, mask, key_data, prior, server_mask, extras) -> PVIState:
+    """The state before round 1 (``q_0`` = prior times the server's refined prior factor): one
+    program, jitted and cached per (rule, server step, number of clients) by ``DPPVI.init``."""
+    m, dim = num_clients, prior.eta1.shape[0]
+    half = jnp.full(dim, -0.5, prior.eta2.dtype)  # a strongly typed state: a resumed one compiles nothing new
+    t0 = Gaussian(jnp.zeros(dim, prior.eta1.dtype), jnp.where(server_mask, half, jnp.zeros_like(half)))
+    q = factors.multiply(prior, t0)
+    init_key = jax.random.fold_in(jax.random.wrap_key_data(key_data), 0x7FFFFFFF)
+    client_state = jax.vmap(rule.init_client_state)(data, mask, jax.random.split(init_key, m))
+    if extras:
+        client_state = dict(client_state, **extras) if isinstance(client_state, dict) else dict(extras)
+    state = PVIState(q=q, factors=Gaussian(jnp.zeros((m, dim)), jnp.zeros((m, dim))), server_factor=t0,
+                     noise_factor=factors.zeros(dim), q_seen=server.broadcast(q, m), client_state=client_state,
+                     key=key_data, round=jnp.array(0, jnp.int32), communications=jnp.array(0, jnp.int32),
+                     active=jnp.ones(m, bool), participations=jnp.zeros(m, jnp.int32))
+    if server_step is not None:
+        state = server.refine_server_factor(server_step, state, init_key)
+    return state
+
+
+def trace_rows(clients, count: int = 3) -> tuple:
+    """The first ``count`` rows pooled across clients (in client order): enough rows to trace the model
+    however small the clients are. Tracing sees them once and releases nothing."""
+    taken, out = 0, [[] for _ in clients[0]]
+    for client in clients:
+        need = count - taken
+        if need <= 0:
+            break
+        for j, a in enumerate(client):
+            out[j].append(np.asarray(a)[:need])
+        taken += min(need, len(client[0]))
+    return tuple(np.concatenate(parts) for parts in out)
+
+
+def model_adapter(model, clients) -> ModelAdapter:
+    """The model traced on rows pooled across clients, reused for every fit of the same model with
+    data of the same row shapes and dtypes (:mod:`numpyro_dppvi.cache`)."""
+    rows = trace_rows(clients)
+    key = ("adapter", model, shapes(tuple(a[:1] for a in rows)), getattr(model, "_dppvi_privacy_plate", None))
+    return cached(key, lambda: ModelAdapter(model, rows))
 
 
 class FitDiverged(FloatingPointError):
@@ -143,7 +241,7 @@ class DPPVI:
         self.model = model
         self.method = method
         self.schedule = schedule
-        self.optimizer = optimizer if optimizer is not None else optax.adam(1e-2)
+        self.optimizer = optimizer if optimizer is not None else DEFAULT_OPTIMIZER
         self.local_steps = int(local_steps)
         self.batch_size = None if batch_size is None else int(batch_size)
         self.num_samples = int(num_samples)
@@ -167,7 +265,7 @@ class DPPVI:
         trace the model, make the privacy plan and the local rule, and compile the round."""
         clients = validate_clients(clients)
         self.clients = clients
-        self.adapter = ModelAdapter(self.model, clients[0])
+        self.adapter = model_adapter(self.model, clients)
         for m, c in enumerate(clients):
             self.adapter.validate_data(c, f"client {m}")
         self.num_clients = len(clients)
@@ -188,7 +286,7 @@ class DPPVI:
             self.rule = DPOptimisation(a.log_lik_rows, a.dim, self.optimizer, self.local_steps, self.batch_size,
                                        self.num_samples, log_lik_row=a.log_lik_row_blocks, clip=p.clip,
                                        sampling=p.sampling, max_batch=self.plan.max_batch,
-                                       blocks=a.site_sizes)
+                                       blocks=a.site_sizes, chunk=self.plan.chunk)
         elif self.method in UPDATE_METHODS:
             self.plan = None if p is None else shard_update_plan(p, self.num_clients, self.planned_rounds, dimension,
                                                                  one_record_per_shard=self.shards == ROWS)
@@ -202,10 +300,16 @@ class DPPVI:
             self.rule = NonPrivate(a.log_lik_rows, a.dim, self.optimizer, self.local_steps, self.batch_size,
                                    self.num_samples)
         self.server_step = (
-            ServerFactorStep(a.server_log_density, a.server_mask, self.optimizer, self.server_steps, self.num_samples)
+            ServerFactorStep(a.server_log_density, tuple(bool(b) for b in np.asarray(a.server_mask)), self.optimizer,
+                             self.server_steps, self.num_samples)
             if a.has_server_factor else None
         )
-        self._round = jax.jit(self._round_fn)
+        self.spec = RoundSpec(self.rule, self.server_step, self.schedule, self.damping, self.privacy_unit,
+                              self.trusted_aggregator, self.client_rate, None if p is None else p.clip, self.invalid,
+                              self.precision_floor, self.num_clients)
+        self._program = round_program(self.spec)
+        self._server_noise_std = jnp.asarray(
+            self.plan.noise_std(0) if self.plan is not None and self.plan.kind == "client" else 0.0, jnp.float32)
 
     def _adaptive_clip_state(self) -> dict:
         """Per-client adaptive clipping state, starting at ``Privacy.clip`` (stacked over clients)."""
@@ -228,55 +332,28 @@ class DPPVI:
 
     def _init(self, key_data, seed: str, clients) -> PVIState:
         self._setup(clients, key_data)
-        a, m = self.adapter, self.num_clients
-        t0 = Gaussian(jnp.zeros(a.dim), jnp.where(a.server_mask, -0.5, 0.0))  # N(0, 1) on t_0's coordinates
-        q = factors.multiply(a.prior, t0)
-        zeros = Gaussian(jnp.zeros((m, a.dim)), jnp.zeros((m, a.dim)))
-        init_key = jax.random.fold_in(jax.random.wrap_key_data(key_data), 0x7FFFFFFF)
-        client_state = jax.vmap(self.rule.init_client_state)(self.data, self.mask, jax.random.split(init_key, m))
+        m = self.num_clients
+        extras = {}  # per-client settings the rule reads from its state (numpy: the program takes them as inputs)
         if self.method in UPDATE_METHODS:
-            client_state = dict(client_state, ids=jnp.asarray(self.shard_ids),
-                                num_shards=jnp.asarray(self.num_shards, jnp.float32))
+            extras.update(ids=np.asarray(self.shard_ids), num_shards=np.asarray(self.num_shards, np.float32),
+                          noise_std=np.zeros(m, np.float32))
         if self.plan is not None and self.plan.kind != "client":
-            stds = np.array([self.plan.noise_std(j) for j in range(m)])
-            client_state = dict(client_state, noise_std=jnp.asarray(stds, jnp.float32))
-        elif self.method in UPDATE_METHODS:
-            client_state = dict(client_state, noise_std=jnp.zeros(m, jnp.float32))
+            extras["noise_std"] = np.array([self.plan.noise_std(j) for j in range(m)], np.float32)
+        if self.plan is not None and self.plan.kind == "dp_sgd":
+            extras["rate"] = np.asarray(self.plan.rates, np.float32)
         if self.privacy is not None and self.privacy.adaptive_clip is not None:
-            client_state = dict(client_state, **self._adaptive_clip_state())
-        state = PVIState(q=q, factors=zeros, server_factor=t0, noise_factor=factors.zeros(a.dim),
-                         q_seen=server.broadcast(q, m), client_state=client_state, key=jnp.asarray(key_data),
-                         round=jnp.array(0, jnp.int32), communications=jnp.array(0, jnp.int32),
-                         active=jnp.ones(m, bool), participations=jnp.zeros(m, jnp.int32))
-        if self.server_step is not None:
-            state = jax.jit(lambda s: server.refine_server_factor(self.server_step, s, init_key))(state)
+            extras.update(self._adaptive_clip_state())
+        program = cached(("pvi-initial-state", self.rule, self.server_step, m),
+                         lambda: jax.jit(functools.partial(_initial_state, self.rule, self.server_step, m)))
+        state = program(self.data, self.mask, jnp.asarray(key_data, jnp.uint32), self.adapter.prior,
+                        self.adapter.server_mask, extras)
         self.seed = seed
         self.ledger = None if self.plan is None else self.privacy.ledger(m, self.trusted_aggregator, seed=seed)
-        self._limits = None
         return state
 
-    def _round_fn(self, state: PVIState, data, mask, sizes, limits):
-        key = server.round_key(state)
-        k_server, k_order, k_clients = jax.random.split(key, 3)
-        if self.server_step is not None:
-            state = server.refine_server_factor(self.server_step, state, k_server)
-        if self.privacy_unit == "client":
-            return server.client_level(self.rule, self.damping, state, data, mask, sizes, k_clients, limits,
-                                       self.privacy.clip, self.plan.noise_std(0), self.client_rate,
-                                       self.invalid, self.precision_floor)
-        if self.trusted_aggregator:
-            state, stopped = server.stop_over_budget(state, limits)
-            new_state, metrics = trusted_aggregator_round(self.rule, self.damping, state, data, mask, sizes,
-                                                          k_clients, state.active)
-            return server.charge(new_state, state.active), dict(metrics, stopped=stopped)
-        if self.schedule == "synchronous":
-            return server.synchronous(self.rule, self.damping, state, data, mask, sizes, k_clients, limits)
-        if self.schedule == "asynchronous":
-            order = server.arrival_order(k_order, sizes, state.active, self.num_clients)
-        else:
-            order = jnp.arange(self.num_clients)
-        return server.arrivals(self.rule, self.damping, state, data, mask, sizes, k_clients,
-                               order, limits, stale=self.schedule == "asynchronous")
+    def _round(self, state: PVIState, data, mask, sizes, limits):
+        """The compiled round of this fit (shared with every fit of the same structure)."""
+        return self._program(state, data, mask, sizes, limits, self._server_noise_std)
 
     def limits(self, state: PVIState, rounds: int) -> jax.Array:
         """Per-client participation limits for the next ``rounds`` rounds (budget stop rule)."""

@@ -22,21 +22,22 @@ import optax
 
 from .. import factors, objectives
 from ..factors import Gaussian
-from ..privacy.adaptive_clip import adaptive_clip_update
+from ..privacy.adaptive_clip import adaptive_clip_update_from_count, centred_count
 from ..privacy.mechanisms import add_gaussian_noise, clipped_sum
-from ..privacy.sampling import poisson_batch, without_replacement_batch
+from ..privacy.sampling import poisson_fold, without_replacement_batch
 
 
 def uniform_batch(key: jax.Array, mask: jax.Array, batch_size: int) -> tuple[jax.Array, jax.Array]:
-    """``batch_size`` distinct valid rows chosen uniformly (top-k of uniform keys over valid rows).
+    """``batch_size`` valid rows drawn uniformly **with replacement** (the valid rows are the first
+    ``sum(mask)`` of the client's array), in O(batch) work whatever the client's size.
 
-    Returns ``(indices, batch_mask)``; when the client has fewer valid rows than ``batch_size`` the
-    surplus slots point at padding and are masked out. Not a privacy sampler: private rules use
+    Returns ``(indices, batch_mask)`` (the mask is all true: every slot holds a valid row). An
+    unbiased minibatch for the non-private local step; not a privacy sampler: private rules use
     ``privacy.sampling`` so that the sampler matches the accountant.
     """
-    scores = jnp.where(mask, jax.random.uniform(key, mask.shape), -1.0)
-    top, idx = jax.lax.top_k(scores, batch_size)
-    return idx, top >= 0.0
+    n = jnp.maximum(jnp.sum(mask), 1)
+    idx = jnp.floor(jax.random.uniform(key, (batch_size,)) * n).astype(jnp.int32)
+    return jnp.minimum(idx, n - 1), jnp.ones(batch_size, bool)
 
 
 def take_rows(arrays: tuple, idx: jax.Array) -> tuple:
@@ -107,7 +108,7 @@ class ServerFactorStep:
     """
 
     log_density: Callable
-    mask: jax.Array
+    mask: tuple  # bools per coordinate (a tuple, so that the step is hashable: it keys compiled programs)
     optimizer: optax.GradientTransformation
     steps: int
     num_samples: int
@@ -120,11 +121,12 @@ class ServerFactorStep:
             eps = jax.random.normal(k, (self.num_samples, dim))
             loss = lambda p: -objectives.server_elbo(self.log_density, p, eps, cavity)
             value, grads = jax.value_and_grad(loss)(params)
-            return jax.tree.map(lambda g: jnp.where(self.mask, g, 0.0), grads), value
+            return jax.tree.map(lambda g: jnp.where(mask, g, 0.0), grads), value
 
+        mask = jnp.asarray(self.mask)
         params, _, _ = optimise(self.optimizer, params0, self.steps, key, gradient)
         new = factors.from_loc_log_scale(params)
-        return Gaussian(jnp.where(self.mask, new.eta1, q.eta1), jnp.where(self.mask, new.eta2, q.eta2))
+        return Gaussian(jnp.where(mask, new.eta1, q.eta1), jnp.where(mask, new.eta2, q.eta2))
 
 
 @dataclass(frozen=True)
@@ -132,43 +134,41 @@ class DPOptimisation(NonPrivate):
     """DP-SGD inside the local step (Heikkila et al. 2023, §4.1, Theorem 6; DESIGN §5.1).
 
     Each step draws a batch with the sampler the ledger accounts (Poisson: every valid row with
-    probability ``q_m = batch_size / n_m``, padded to ``max_batch`` with a mask; or exactly
-    ``batch_size`` rows without replacement), computes per-example gradients of the likelihood term
+    probability ``q_m``, the plan's rate ``batch_size / n_m`` rounded up; or exactly ``batch_size``
+    rows without replacement), computes per-example gradients of the likelihood term
     ``g_i = d/d(mu, log s) E_q[log p(x_i | theta)]`` only, clips each jointly to norm ``C``, sums,
     and adds ``N(0, noise_std^2 I)`` with ``noise_std = sigma C``:
 
-        g_data = (sum_{i in B} clip_C(g_i) + N(0, sigma^2 C^2 I)) / batch_size,
+        g_data = (sum_{i in B} clip_C(g_i) + N(0, sigma^2 C^2 I)) / (q_m n_m),
         g = -(g_data + d/d(mu, log s) [E_q log cavity + H[q]] / n_m).
 
-    Sensitivity: the released sum changes by at most ``C`` when a record is added or removed and
-    ``2C`` when one is replaced (each clipped term has norm <= C); the cavity term is
-    data-independent and added after the noise, so it costs nothing. Accounting: per client, one
-    subsampled Gaussian release per local step at rate ``q_m``. The per-step loss reported to the
-    server is the data-free part only (no unprivatised data-dependent value leaves the client).
+    A Poisson batch is never padded: :func:`~numpyro_dppvi.privacy.sampling.poisson_fold` walks it
+    ``chunk`` rows at a time, so the work follows the batch actually drawn (no pad sized for its
+    extreme tail, no truncation to charge).
 
-    The noise std is per client (each client's noise is calibrated to its own sampling rate), carried
-    in ``client_state["noise_std"]``. ``log_lik_row(u, row)`` takes the flat ``u``; or, with ``blocks`` (the
-    model's ``site_sizes``), the list of its site blocks (``ModelAdapter.log_lik_row_blocks``),
-    which only changes the speed of the per-example gradients (``objectives.per_example_log_lik_grads``).
+    Sensitivity: the released sum changes by at most ``C`` when a record is added or removed and
+    ``2C`` when one is replaced (each clipped term has norm <= C; a non-finite term is zeroed); the
+    cavity term is data-independent and added after the noise, so it costs nothing. Accounting: per
+    client, one subsampled Gaussian release per local step at rate ``q_m``. The per-step loss
+    reported to the server is the data-free part only (no unprivatised data-dependent value leaves
+    the client).
+
+    The noise std and the rate are per client (each client's noise is calibrated to its own
+    sampling rate), carried in ``client_state["noise_std"]`` and ``client_state["rate"]``.
+    ``log_lik_row(u, row)`` takes the flat ``u``; or, with ``blocks`` (the model's ``site_sizes``),
+    the list of its site blocks (``ModelAdapter.log_lik_row_blocks``), which only changes the speed
+    of the per-example gradients (``objectives.per_example_log_lik_grads``).
     """
 
     log_lik_row: Callable = None
     clip: float = 1.0
     sampling: str = "poisson"
-    max_batch: int = 0
+    max_batch: int = 0  # the fixed batch of sampling without replacement
     blocks: tuple = None
-
-    def batch(self, key, arrays, mask, n):
-        """The accounted sampler: Poisson at rate ``batch_size / n`` in a pad of ``max_batch``, or
-        exactly ``batch_size`` rows without replacement; returns ``(rows, batch_mask)``."""
-        if self.sampling == "poisson":
-            idx, bmask = poisson_batch(key, mask, self.batch_size / n, self.max_batch)
-        else:
-            idx, bmask = without_replacement_batch(key, mask, self.batch_size)
-        return take_rows(arrays, idx), bmask
+    chunk: int = 8  # rows per chunk of a Poisson batch
 
     def clipped_sum(self, params, eps, rows, bmask, clip=None):
-        """``sum_{i in B} clip_C(g_i)`` of per-example likelihood gradients (the released query, pre-noise)."""
+        """``sum_{i in B} clip_C(g_i)`` of per-example likelihood gradients over given rows (pre-noise)."""
         return self.clipped_sum_and_norms(params, eps, rows, bmask, clip)[0]
 
     def clipped_sum_and_norms(self, params, eps, rows, bmask, clip=None):
@@ -176,6 +176,21 @@ class DPOptimisation(NonPrivate):
         per_example = objectives.per_example_log_lik_grads(self.log_lik_row, params, eps, rows, self.blocks)
         summed, norms = clipped_sum(per_example, self.clip if clip is None else clip, bmask)
         return summed, norms
+
+    def sampled_clipped_sum(self, params, eps, arrays, mask, key, rate, clip):
+        """``(sum_{i in B} clip_C(g_i), sum_{i in B} (1[||g_i|| <= C] - 1/2))`` over the batch ``B`` the
+        accounted sampler draws (the released query before noise, and the adaptive-clipping count)."""
+        if self.sampling == "poisson":
+            def add_chunk(carry, indices, chunk_mask):
+                total, count = carry
+                summed, norms = self.clipped_sum_and_norms(params, eps, take_rows(arrays, indices), chunk_mask, clip)
+                return jax.tree.map(jnp.add, total, summed), count + centred_count(norms, chunk_mask, clip)
+
+            zero = (jax.tree.map(jnp.zeros_like, params), jnp.zeros(()))
+            return poisson_fold(key, mask, rate, self.chunk, add_chunk, zero)
+        indices, bmask = without_replacement_batch(key, mask, self.max_batch)
+        summed, norms = self.clipped_sum_and_norms(params, eps, take_rows(arrays, indices), bmask, clip)
+        return summed, centred_count(norms, bmask, clip)
 
     def private_step(self, params, key, arrays, mask, n, cavity, client_state):
         """One DP-SGD step: ``(gradient of the loss, data-free loss, client_state)``.
@@ -187,17 +202,17 @@ class DPOptimisation(NonPrivate):
         (``privacy.adaptive_clip``).
         """
         k_batch, k_eps, k_noise, k_count = jax.random.split(key, 4)
-        rows, bmask = self.batch(k_batch, arrays, mask, n)
+        rate = client_state["rate"]
         eps = jax.random.normal(k_eps, (self.num_samples, self.dim))
         adaptive = "clip" in client_state
-        clip = client_state["clip"].clip if adaptive else None
-        summed, norms = self.clipped_sum_and_norms(params, eps, rows, bmask, clip)
+        clip = client_state["clip"].clip if adaptive else self.clip
+        summed, count = self.sampled_clipped_sum(params, eps, arrays, mask, k_batch, rate, clip)
         std = client_state["noise_per_clip"] * clip if adaptive else client_state["noise_std"]
         noisy = add_gaussian_noise(k_noise, summed, std)
         prior_value, prior_grad = jax.value_and_grad(lambda p: objectives.cavity_term(p, cavity) / n)(params)
-        grads = jax.tree.map(lambda s, pg: -(s / self.batch_size + pg), noisy, prior_grad)
+        grads = jax.tree.map(lambda s, pg: -(s / (rate * n) + pg), noisy, prior_grad)  # E[batch] = rate n
         if adaptive:
-            client_state = dict(client_state, clip=adaptive_clip_update(client_state["clip"], norms, bmask, k_count))
+            client_state = dict(client_state, clip=adaptive_clip_update_from_count(client_state["clip"], count, k_count))
         return grads, -prior_value, client_state
 
     def update(self, q, cavity, arrays, mask, n, key, client_state):

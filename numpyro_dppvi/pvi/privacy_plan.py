@@ -8,8 +8,9 @@ checked inside the compiled round). The engine records exactly these events for 
 releases it makes.
 
 * DP optimisation (DESIGN §5.1): ``local_steps`` subsampled releases per participation at rate
-  ``q_m = batch / n_m``, sensitivity of a sum of clipped per-example gradients; each client's noise is
-  calibrated to its own rate.
+  ``q_m = batch / n_m`` (Poisson: rounded up to 9 significant bits, :func:`~numpyro_dppvi.privacy.sampling.accounted_rate`,
+  so that clients of nearly equal size share one mechanism), sensitivity of a sum of clipped
+  per-example gradients; each client's noise is calibrated to its own rate.
 * Update perturbation (DESIGN §5.2): one release per participation, rate 1, a single noise multiplier
   for all clients; sensitivity ``2C`` with hashed shards, ``C`` (add/remove) with one record per shard
   (:mod:`.shards`).
@@ -30,7 +31,7 @@ import numpy as np
 
 from ..privacy import GaussianEvent, Privacy, sensitivity
 from ..privacy import backends
-from ..privacy.sampling import poisson_overflow_probability, poisson_pad_size
+from ..privacy.sampling import accounted_rate, fold_chunk, poisson_fold_deviation
 
 #: ``limits`` value of a client without a budget cap.
 UNLIMITED = 2**30
@@ -45,8 +46,10 @@ class PrivacyPlan:
     overflow: np.ndarray
     dimension: int  # noise coordinates drawn per release
     noise_multipliers: np.ndarray = None
-    max_batch: int = 0
+    max_batch: int = 0  # the fixed batch of sampling without replacement
+    chunk: int = 0  # rows per chunk of a Poisson batch (poisson_fold)
     sensitivity_kind: str = "sum_of_records"  # of a shard release: "shard_update" (hashed shards) or per record
+    calibrated_participations: int = 0  # noise calibrated so that this many participations meet the budget
 
     def event(self, m: int, participations: int, noise_multiplier: float | None = None) -> GaussianEvent:
         """The event of ``participations`` participations of client ``m``."""
@@ -65,14 +68,16 @@ class PrivacyPlan:
             raise ValueError("calibrating the noise to a budget needs the planned number of rounds: "
                              "pass rounds=... to DPPVI (fit_dppvi does this for you)")
         rounds = rounds or 1
-        solved: dict[tuple, float] = {}
+        solved: dict[float, float] = {}
         out = []
         for m in range(len(self.rates)):
-            key = (float(self.rates[m]), float(self.overflow[m]))
+            key = float(self.rates[m])  # epsilon does not depend on the overflow charge (it is delta's)
             if key not in solved:
                 solved[key] = p.resolve(lambda z, m=m: [self.event(m, rounds, z)])
             out.append(solved[key])
         self.noise_multipliers = np.asarray(out)
+        if p.noise_multiplier is None:
+            self.calibrated_participations = rounds
 
     def noise_std(self, m: int) -> float:
         """Std of the Gaussian noise client ``m`` (or, client-level, the server) adds to its released sum."""
@@ -100,6 +105,10 @@ class PrivacyPlan:
         """
         caps = self.epsilon_max(len(self.rates))
         out = np.full(len(self.rates), UNLIMITED, dtype=np.int64)
+        p = self.privacy
+        if p.epsilon_max is None and p.epsilon is not None and \
+                int(np.max(participations, initial=0)) + horizon <= self.calibrated_participations:
+            return out  # the noise was calibrated so that the whole horizon meets the budget
         solved: dict[tuple, int] = {}
         for m, cap in enumerate(caps):
             if not math.isfinite(cap):
@@ -143,16 +152,19 @@ def dp_sgd_plan(privacy: Privacy, sizes, batch_size: int, local_steps: int, roun
         raise ValueError(f"fit_dppvi(method='dp_optimisation'): batch_size={batch_size} is not smaller than "
                          f"client(s) {small.tolist()} (sizes {sizes[small].tolist()}), so their batches would not be "
                          f"subsampled; use batch_size <= {max(int(sizes.min()) // 2, 1)} or merge the small clients")
-    rates = batch_size / sizes
-    if privacy.sampling == "poisson":
-        steps = local_steps * (rounds or 1)
-        max_batch = max(poisson_pad_size(int(n), float(q), steps) for n, q in zip(sizes, rates))
-        overflow = np.array([poisson_overflow_probability(int(n), float(q), max_batch) for n, q in zip(sizes, rates)])
+    if privacy.sampling == "poisson":  # rates rounded up so that clients of nearly equal size share one
+        rates = np.array([accounted_rate(batch_size, int(n)) for n in sizes])
+    else:  # a fixed batch without replacement: the rate is exactly batch / n
+        rates = batch_size / sizes
+    chunk = fold_chunk(batch_size)
+    if privacy.sampling == "poisson":  # never padded, never cut: only the skips' deviation is charged
+        overflow = np.array([poisson_fold_deviation(int(n), float(q), chunk) for n, q in zip(sizes, rates)])
     else:
-        max_batch, overflow = batch_size, np.zeros(len(sizes))
+        overflow = np.zeros(len(sizes))
     if privacy.adaptive_clip is not None:
         dimension += 1  # the noisy count of the private quantile estimate
-    plan = PrivacyPlan(privacy, "dp_sgd", local_steps, rates, overflow, dimension, max_batch=int(max_batch))
+    plan = PrivacyPlan(privacy, "dp_sgd", local_steps, rates, overflow, dimension, max_batch=int(batch_size),
+                       chunk=chunk)
     plan.calibrate(rounds)
     return plan
 

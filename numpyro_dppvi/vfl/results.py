@@ -13,7 +13,7 @@ import numpy as np
 from jax.scipy.special import logsumexp
 from numpyro.infer import Predictive
 
-from .cache import cached, shapes
+from ..cache import cached, shapes
 from .client import check_clients
 from .models import AUX_SITE, augmented_model, centralised_model
 from .sites import log_lik_rows, run_program

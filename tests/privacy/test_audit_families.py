@@ -133,10 +133,13 @@ def dp_optimisation_mechanism(d, state, rule=None, noise_scale=1.0):
 
 
 def dp_optimisation_pair(d, relation):
+    """The client's rows with the planted row 0, and without it (the rows after it move up and a
+    padding row ends the array: the valid rows are a prefix, as the sampler expects)."""
     arrays = tuple(a[0] for a in d.data)
     mask = d.mask[0]
     if relation == "add_remove":
-        return (arrays, mask), (arrays, mask.at[0].set(False))
+        removed = tuple(jnp.concatenate([a[1:], jnp.zeros_like(a[:1])]) for a in arrays)
+        return (arrays, mask), (removed, mask.at[-1].set(False))
     return (arrays, mask), (flipped(arrays, 0), mask)
 
 

@@ -6,6 +6,8 @@ import numpy as np
 import pytest
 from scipy import stats
 
+from numpyro_dppvi.privacy import noise
+from numpyro_dppvi.privacy.sampling import GAP_DEVIATION, _uniform_from_bits
 from numpyro_dppvi.privacy import (
     inclusion_threshold,
     poisson_batch,
@@ -83,12 +85,13 @@ def test_pad_larger_than_the_client_is_masked():
 def test_pad_size_meets_the_overflow_tolerance_and_is_smallest():
     for n, rate, steps in [(1000, 0.01, 1000), (40000, 0.01, 100), (50, 0.5, 10)]:
         pad = poisson_pad_size(n, rate, steps, overflow_tolerance=1e-12)
-        assert steps * poisson_overflow_probability(n, rate, pad) <= 1e-12
-        assert steps * poisson_overflow_probability(n, rate, pad - 1) > 1e-12
+        assert steps * stats.binom.sf(pad, n + 1, rate) <= 1e-12  # the neighbour may hold n + 1 rows
+        assert steps * stats.binom.sf(pad - 1, n + 1, rate) > 1e-12
+        # the charged per-step probability: the overflow plus the geometric skips' deviation bound
         assert poisson_overflow_probability(n, rate, pad) == pytest.approx(
-            stats.binom.sf(pad, n + 1, rate), rel=1e-12)  # the neighbour may hold n + 1 rows
+            stats.binom.sf(pad, n + 1, rate) + pad * GAP_DEVIATION / rate, rel=1e-12)
     assert poisson_pad_size(3, 0.9, 1, 1e-12) == 4
-    assert poisson_overflow_probability(3, 0.9, 4) == 0.0
+    assert poisson_overflow_probability(3, 0.9, 4) == 4 * GAP_DEVIATION / 0.9  # no overflow: the deviation only
 
 
 def test_without_replacement_is_fixed_size_uniform_and_skips_padding():
@@ -138,3 +141,78 @@ def test_fresh_keys_give_fresh_batches():
 def test_bad_inputs(call, error, match):
     with pytest.raises(error, match=match):
         call()
+
+
+def test_skip_sampler_batch_sizes_are_binomial():
+    """The number of rows drawn is Binomial(n, q') (chi-square over 20000 draws, bins with expected
+    count >= 5 merged; the 1e-3 critical value of the statistic): Poisson sampling, by skips."""
+    n, rate, runs = 200, 0.07, 20000
+    keys = jax.random.split(jax.random.key(11), runs)
+    _, mask = jax.jit(jax.vmap(lambda k: poisson_batch(k, n, rate, 60)))(keys)
+    sizes = np.asarray(mask).sum(axis=1)
+    observed = np.bincount(sizes, minlength=61)[:61]
+    expected = stats.binom.pmf(np.arange(61), n, rate * (1 - 2.0**-30)) * runs
+    keep = expected >= 5
+    obs = np.append(observed[keep], observed[~keep].sum())
+    exp = np.append(expected[keep], runs - expected[keep].sum())
+    chi2 = np.sum((obs - exp) ** 2 / exp)
+    assert chi2 < stats.chi2.ppf(1 - 1e-3, df=len(obs) - 1)
+
+
+def test_skip_sampler_pairs_are_independent():
+    """Inclusion of rows 0 and 1 (adjacent: one geometric gap apart) is independent: P(both) = q^2
+    within 5 binomial standard errors over 40000 draws."""
+    n, rate, runs = 30, 0.3, 40000
+    keys = jax.random.split(jax.random.key(12), runs)
+    idx, mask = jax.jit(jax.vmap(lambda k: poisson_batch(k, n, rate, 30)))(keys)
+    idx, mask = np.asarray(idx), np.asarray(mask)
+    both = np.mean([(0 in i[m]) and (1 in i[m]) for i, m in zip(idx, mask)])
+    assert abs(both - rate**2) <= 5 * math.sqrt(rate**2 * (1 - rate**2) / runs)
+
+
+def test_the_float64_functions_meet_the_charged_deviation_assumptions():
+    """The skip sampler's deviation bound assumes log within 1 ulp and log1p(-q) within 2^-40
+    relative (XLA, float64, on this backend); and that the uniform has the stated resolution."""
+    rng = np.random.default_rng(0)
+    u = np.concatenate([rng.uniform(1e-300, 1.0, 20000), np.exp(-rng.uniform(0, 700, 20000))])
+    q = np.concatenate([rng.uniform(0.0, 1.0, 20000), np.exp(-rng.uniform(0, 40, 20000))])
+    with noise._x64():
+        log_u = np.asarray(jax.jit(jnp.log)(jnp.asarray(u, jnp.float64)))
+        log_keep = np.asarray(jax.jit(lambda x: jnp.log1p(-x))(jnp.asarray(q, jnp.float64)))
+        words = jnp.asarray(rng.integers(0, 2**32, size=(4, 10000), dtype=np.uint64).astype(np.uint32))
+        uniform = np.asarray(_uniform_from_bits(words))
+    assert np.max(np.abs(log_u - np.log(u)) / np.spacing(np.abs(np.log(u)))) <= 1.0
+    exact = np.log1p(-q)
+    ok = exact != 0
+    assert np.max(np.abs(log_keep[ok] - exact[ok]) / np.abs(exact[ok])) < 2.0**-40
+    assert np.all((uniform > 0) & (uniform <= 1))
+    assert abs(np.mean(uniform) - 0.5) < 5 * math.sqrt(1 / 12 / 10000)
+
+
+def test_poisson_fold_is_poisson_sampling_without_a_pad():
+    """Folding over chunks draws every valid row with probability q', never a padding row, never a row
+    twice, whatever the sample size (no pad, no truncation); batch sizes are Binomial(n, q')
+    (chi-square, as above), also when the sample is much larger than one chunk."""
+    from numpyro_dppvi.privacy.sampling import poisson_fold
+
+    n_rows, n_valid, rate, chunk, runs = 64, 50, 0.3, 4, 4000
+    valid = jnp.arange(n_rows) < n_valid
+
+    def rows_of(key):
+        def add(carry, idx, m):
+            counts, seen_twice = carry
+            hits = jnp.zeros(n_rows, jnp.int32).at[idx].add(m.astype(jnp.int32))
+            return counts + hits, seen_twice | jnp.any(counts + hits > 1)
+        return poisson_fold(key, valid, rate, chunk, add, (jnp.zeros(n_rows, jnp.int32), jnp.array(False)))
+
+    counts, twice = jax.jit(jax.vmap(rows_of))(jax.random.split(jax.random.key(13), runs))
+    counts = np.asarray(counts)
+    assert not np.any(np.asarray(twice)) and counts[:, n_valid:].sum() == 0
+    _assert_rate(counts[:, :n_valid].sum(axis=0), runs, rate)
+    sizes = counts.sum(axis=1)
+    observed = np.bincount(sizes, minlength=n_valid + 1)
+    expected = stats.binom.pmf(np.arange(n_valid + 1), n_valid, rate * (1 - 2.0**-30)) * runs
+    keep = expected >= 5
+    obs = np.append(observed[keep], observed[~keep].sum())
+    exp = np.append(expected[keep], runs - expected[keep].sum())
+    assert np.sum((obs - exp) ** 2 / exp) < stats.chi2.ppf(1 - 1e-3, df=len(obs) - 1)

@@ -1,11 +1,12 @@
-"""Reuse of compiled VFL programs across fits with the same static structure.
+"""Reuse of traced models and compiled programs across fits with the same static structure.
 
 A fit's jitted programs take the data as arguments (never as closed-over constants), so that a
-second fit with the same clients' sub-models, likelihood, settings and array shapes (e.g. the next
-fold of a cross-validation) reuses the compiled program instead of compiling it again. The key
-holds only static, hashable things: functions by identity, settings, names, shapes and dtypes.
-A sub-model or likelihood is traced once per key, so a function whose behaviour changes between
-fits (e.g. through a mutated global) must be passed as a new function object.
+second fit with the same model, settings and array shapes (the same fit again, the next fold of a
+cross-validation, a resume) reuses the compiled program instead of tracing and compiling it again.
+The key holds only static, hashable things: functions by identity (the model, an optax optimiser's
+functions), settings, names, shapes and dtypes. A model is traced once per key, so a function whose
+behaviour changes between fits (e.g. through a mutated global) must be passed as a new function
+object. Used by ``pvi`` (model adapters, round programs) and ``vfl``.
 """
 
 from __future__ import annotations
@@ -16,7 +17,7 @@ from typing import Callable
 import jax
 import numpy as np
 
-_MAX_ENTRIES = 32
+_MAX_ENTRIES = 64
 _PROGRAMS: OrderedDict = OrderedDict()
 
 
