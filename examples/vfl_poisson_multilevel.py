@@ -104,7 +104,7 @@ def synthetic(args):
                          rng_key=jax.random.key(1), batch_size=min(n, 256))
         show(f"augmented rho={rho}, SFVI", result.sample_posterior(jax.random.key(2), 2000))
         print(f"{'':>28} final ELBO {np.mean(result.elbo[-steps // 10:]):.1f}, "
-              f"{result.history['num_scalars']:,} scalars exchanged")
+              f"{result.communication['num_scalars']:,} scalars exchanged")
 
 
 def random_intercepts(data):

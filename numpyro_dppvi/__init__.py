@@ -8,19 +8,20 @@ and vertical federated learning (``fit_vfl``).
 from . import datasets, factors, optim, privacy, vfl, vips
 from .compilation_cache import enable_compilation_cache
 from .data import pad_clients, partition, partition_by, validate_clients
+from .fit import fit_dppvi
 from .model import ModelAdapter, model
-from .privacy import Privacy, PrivacyLedger
-from .pvi import DPPVI, FitDiverged, PVIState, fit_bcm, fit_dppvi, fit_global_vi
-from .results import DPPVIResult
-from .vfl import VFLClient, fit_vfl
-from .vips import fit_vips
-
-load = DPPVIResult.load
+from .privacy import NotPrivate, Privacy, PrivacyLedger
+from .pvi import DPPVI, FitDiverged, PVIState, fit_bcm, fit_global_vi
+from .results import DPPVIResult, Result, load
+from .vfl import VFLClient, VFLResult, fit_vfl
+from .vips import VIPSResult, fit_vips
 
 __version__ = "0.1.0"
 
 __all__ = [
-    "DPPVI", "DPPVIResult", "FitDiverged", "ModelAdapter", "PVIState", "Privacy", "PrivacyLedger", "VFLClient",
-    "datasets", "enable_compilation_cache", "factors", "fit_bcm", "fit_dppvi", "fit_global_vi", "fit_vfl", "fit_vips", "load", "model", "optim",
-    "pad_clients", "partition", "partition_by", "privacy", "validate_clients", "vfl", "vips",
+    "DPPVI", "DPPVIResult", "FitDiverged", "ModelAdapter", "NotPrivate", "PVIState", "Privacy", "PrivacyLedger",
+    "Result", "VFLClient", "VFLResult", "VIPSResult",
+    "datasets", "enable_compilation_cache", "factors", "fit_bcm", "fit_dppvi", "fit_global_vi", "fit_vfl",
+    "fit_vips", "load", "model", "optim", "pad_clients", "partition", "partition_by", "privacy",
+    "validate_clients", "vfl", "vips",
 ]

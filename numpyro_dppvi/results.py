@@ -15,7 +15,9 @@ from __future__ import annotations
 from typing import Sequence
 
 import jax
+import jax.numpy as jnp
 import numpy as np
+from jax.scipy.special import logsumexp
 
 from . import checkpoint, factors
 from .evaluation import evaluate, log_predictive_density
@@ -25,7 +27,110 @@ from .privacy.ledger import NotPrivate, PrivacyLedger
 RESULT_FORMAT = "numpyro_dppvi.DPPVIResult/2"
 
 
-class DPPVIResult:
+class Result:
+    """What every ``fit_*`` returns: one protocol for DP-PVI, VIPS and VFL results.
+
+    * ``sample(num_samples, rng_key)``: posterior draws ``{site: [num_samples, *shape]}`` keyed by
+      the model's own site names (constrained values);
+    * ``predict(*data, num_samples, rng_key)``: posterior predictive draws through NumPyro's
+      ``Predictive``; ``log_predictive_density(*data)``: per-row ``log p(x_i | data)``;
+    * ``to_arviz(num_samples, rng_key, eval_data)`` and ``summary(...)`` (ArviZ);
+    * ``privacy``: the :class:`~numpyro_dppvi.privacy.PrivacyLedger`, or
+      :class:`~numpyro_dppvi.privacy.NotPrivate` whose ``report()`` says so; ``is_private``;
+    * ``history``: a list of per-round (per-iteration) dicts;
+    * ``save(path, hmac_key=None)`` and ``numpyro_dppvi.load(path, model)``, which chooses the class
+      from the file (``.npz`` + JSON through :mod:`numpyro_dppvi.checkpoint`, never pickle).
+
+    Subclasses (``DPPVIResult`` here, ``VIPSResult`` and ``VFLResult`` beside their engines)
+    implement :meth:`sample`, :meth:`pointwise_log_likelihood` (``[S, n]``), ``save`` and a
+    ``from_saved`` class method; they register under the ``kind`` of their files.
+    """
+
+    kind: str = ""
+    _registry: dict = {}
+
+    def __init_subclass__(cls, **kwargs):
+        super().__init_subclass__(**kwargs)
+        if cls.kind:
+            Result._registry[cls.kind] = cls
+
+    @property
+    def is_private(self) -> bool:
+        return isinstance(self.privacy, PrivacyLedger)
+
+    def sample(self, num_samples: int = 1000, rng_key=None) -> dict:  # pragma: no cover - abstract
+        raise NotImplementedError
+
+    def predictive_model(self):
+        """The NumPyro model ``predict`` runs (``model(*data)``)."""
+        raise NotImplementedError(f"{type(self).__name__} has no NumPyro model to predict with")
+
+    def predict(self, *data, num_samples: int = 1000, rng_key=None, return_sites: Sequence[str] | None = None,
+                **kwargs) -> dict:
+        """Posterior predictive draws through ``numpyro.infer.Predictive``: ``{site: [num_samples, ...]}``.
+
+        Pass the model's data arguments without the observations (e.g. ``predict(x_test)``).
+        """
+        from numpyro.infer import Predictive  # the inference module is only needed here
+
+        rng_key = jax.random.key(2) if rng_key is None else rng_key
+        k_post, k_pred = jax.random.split(rng_key)
+        predictive = Predictive(self.predictive_model(), posterior_samples=self.sample(num_samples, k_post),
+                                return_sites=list(return_sites) if return_sites else None)
+        return {k: np.asarray(v) for k, v in predictive(k_pred, *data, **kwargs).items()}
+
+    def pointwise_log_likelihood(self, *data, num_samples: int = 100, rng_key=None) -> np.ndarray:
+        """``log p(x_i | theta_s)`` for ``num_samples`` posterior draws and the rows of ``data``:
+        ``[num_samples, n]`` (the observed sites of a row summed)."""
+        from numpyro.infer.util import log_likelihood
+
+        rng_key = jax.random.key(3) if rng_key is None else rng_key
+        per_site = log_likelihood(self.predictive_model(), self.sample(num_samples, rng_key), *data)
+        return np.asarray(sum(jnp.reshape(v, (v.shape[0], v.shape[1], -1)).sum(-1) for v in per_site.values()))
+
+    def log_predictive_density(self, *data, num_samples: int = 100, rng_key=None) -> np.ndarray:
+        """Per-row log predictive density ``log (1/S) sum_s p(x_i | theta_s)``, ``[n]``."""
+        ll = self.pointwise_log_likelihood(*data, num_samples=num_samples, rng_key=rng_key)
+        return np.asarray(logsumexp(ll, axis=0) - np.log(ll.shape[0]))
+
+    def to_arviz(self, num_samples: int = 1000, rng_key=None, eval_data: Sequence | None = None):
+        """ArviZ data (``InferenceData``; a ``DataTree`` with ArviZ 1.x) with a ``posterior`` group (site
+        names and shapes, one chain) and, given ``eval_data``, a ``log_likelihood`` group per row."""
+        from .arviz_compat import from_groups
+
+        rng_key = jax.random.key(4) if rng_key is None else rng_key
+        groups = {"posterior": {k: v[None] for k, v in self.sample(num_samples, rng_key).items()}}
+        if eval_data is not None:
+            ll = self.pointwise_log_likelihood(*eval_data, num_samples=num_samples, rng_key=rng_key)
+            groups["log_likelihood"] = {self.observed_name: np.asarray(ll)[None]}
+        return from_groups(groups)
+
+    observed_name = "y"
+
+    def summary(self, num_samples: int = 1000, rng_key=None, **kwargs):
+        """``arviz.summary`` of :meth:`to_arviz` (one chain: no R-hat); the statistics only by default."""
+        import arviz as az  # ArviZ is imported on use: it is slow to import
+
+        kwargs.setdefault("kind", "stats")
+        return az.summary(self.to_arviz(num_samples, rng_key), **kwargs)
+
+
+def load(path, model=None, hmac_key: bytes | None = None, **options) -> Result:
+    """Load any saved result: the class (``DPPVIResult``, ``VIPSResult``, ``VFLResult``) is chosen
+    from the file. ``model``: the NumPyro model of the fit (code is never stored; for VFL the
+    ``(clients, likelihood)`` pair, see ``VFLResult.load``)."""
+    arrays, meta = checkpoint.load(path, hmac_key=hmac_key)
+    if meta.get("private"):
+        raise ValueError(f"{path} is a private checkpoint (it holds the fit's secret key and client states); "
+                         "resume it with fit_dppvi(..., resume=path), and publish result.save(...) instead")
+    cls = Result._registry.get(meta.get("kind"))
+    if cls is None:
+        raise ValueError(f"{path} does not hold a numpyro_dppvi result (kind {meta.get('kind')!r}; known: "
+                         f"{sorted(Result._registry)})")
+    return cls.from_saved(arrays, meta, model, path, **options)
+
+
+class DPPVIResult(Result):
     """What ``fit_dppvi`` / ``fit_global_vi`` / ``fit_bcm`` return.
 
     Attributes: ``q`` (the posterior, natural parameters), ``history`` (one dict per round: round,
@@ -34,6 +139,8 @@ class DPPVIResult:
     :class:`~numpyro_dppvi.privacy.NotPrivate`), ``method``, ``schedule``, ``config`` (the
     data-independent settings), ``rounds`` (rounds completed).
     """
+
+    kind = "DPPVIResult"
 
     def __init__(self, adapter: ModelAdapter, q: factors.Gaussian, history: list, method: str,
                  schedule: str | None, privacy=None, config: dict | None = None, rounds: int = 0):
@@ -50,9 +157,12 @@ class DPPVIResult:
     def model(self):
         return self.adapter.model
 
+    def predictive_model(self):
+        return self.adapter.model
+
     @property
-    def is_private(self) -> bool:
-        return isinstance(self.privacy, PrivacyLedger)
+    def observed_name(self) -> str:
+        return self.adapter.observed[0]
 
     @property
     def posterior(self) -> dict:
@@ -72,19 +182,19 @@ class DPPVIResult:
         u = self._draws(num_samples, rng_key)
         return {k: np.asarray(v) for k, v in jax.vmap(self.adapter.constrain)(u).items()}
 
-    def predict(self, *data, num_samples: int = 1000, rng_key=None, return_sites: Sequence[str] | None = None) -> dict:
-        """Posterior predictive draws through ``numpyro.infer.Predictive``: ``{site: [num_samples, n, ...]}``.
+    def predict(self, *data, num_samples: int = 1000, rng_key=None, return_sites: Sequence[str] | None = None,
+                **kwargs) -> dict:
+        """Posterior predictive draws of the observed sites (or ``return_sites``) through
+        ``numpyro.infer.Predictive``: ``{site: [num_samples, n, ...]}``. Pass the model's data
+        arguments without the observations (e.g. ``predict(x_test)``)."""
+        return super().predict(*data, num_samples=num_samples, rng_key=rng_key,
+                               return_sites=return_sites or list(self.adapter.observed), **kwargs)
 
-        Pass the model's data arguments without the observations (e.g. ``predict(x_test)``).
-        """
-        from numpyro.infer import Predictive
-
-        rng_key = jax.random.key(2) if rng_key is None else rng_key
-        k_post, k_pred = jax.random.split(rng_key)
-        samples = self.sample(num_samples, k_post)
-        predictive = Predictive(self.adapter.model, posterior_samples=samples,
-                                return_sites=list(return_sites) if return_sites else list(self.adapter.observed))
-        return {k: np.asarray(v) for k, v in predictive(k_pred, *data).items()}
+    def pointwise_log_likelihood(self, *data, num_samples: int = 100, rng_key=None) -> np.ndarray:
+        """``log p(x_i | theta_s)``: ``[num_samples, n]`` (one compiled program per model)."""
+        arrays = self.adapter.validate_data(data, "evaluation data")
+        u = self._draws(num_samples, jax.random.key(3) if rng_key is None else rng_key)
+        return np.asarray(jax.lax.map(lambda u_s: self.adapter.log_lik_rows(u_s, arrays), u))
 
     def log_predictive_density(self, *data, num_samples: int = 100, rng_key=None) -> np.ndarray:
         """Per-row log predictive density ``log (1/S) sum_s p(x_i | theta_s)``, ``[n]``."""
@@ -97,32 +207,11 @@ class DPPVIResult:
         arrays = self.adapter.validate_data(data, "evaluation data")
         return evaluate(self.adapter, self.q, arrays, jax.random.key(3) if rng_key is None else rng_key, num_samples)
 
-    def to_arviz(self, num_samples: int = 1000, rng_key=None, eval_data: Sequence | None = None):
-        """ArviZ data (``InferenceData``; a ``DataTree`` with ArviZ 1.x) with a ``posterior`` group (site names and shapes, one chain) and,
-        given ``eval_data``, a ``log_likelihood`` group (per held-out row)."""
-        from .arviz_compat import from_groups
-
-        rng_key = jax.random.key(4) if rng_key is None else rng_key
-        k_post, _ = jax.random.split(rng_key)
-        samples = self.sample(num_samples, k_post)
-        groups = {"posterior": {k: v[None] for k, v in samples.items()}}
-        if eval_data is not None:
-            arrays = self.adapter.validate_data(eval_data, "eval_data")
-            u = self._draws(num_samples, k_post)
-            ll = jax.lax.map(lambda u_s: self.adapter.log_lik_rows(u_s, arrays), u)
-            groups["log_likelihood"] = {self.adapter.observed[0]: np.asarray(ll)[None]}
-        return from_groups(groups)
-
-    def summary(self, num_samples: int = 1000, **kwargs):
-        import arviz as az
-
-        return az.summary(self.to_arviz(num_samples), **kwargs)
-
     # -- publishing ----------------------------------------------------------------------------
     def public_meta(self) -> dict:
         """The metadata of a published result (every field documented in docs/privacy.md)."""
         return {
-            "kind": "DPPVIResult", "format": RESULT_FORMAT, "method": self.method, "schedule": self.schedule,
+            "kind": self.kind, "format": RESULT_FORMAT, "method": self.method, "schedule": self.schedule,
             "history": self.history, "config": self.config, "rounds": self.rounds,
             "privacy": self.privacy.to_dict() if self.is_private else None,
             "data_shapes": [list(a.shape[1:]) for a in self.adapter.example_row],
@@ -133,7 +222,7 @@ class DPPVIResult:
         """Publish the result to ``path`` (``.npz``): ``q``, the ledger, the settings and the history.
 
         Holds nothing private (no key, no client state); see docs/privacy.md. With ``hmac_key`` the
-        file is authenticated (a file edited without the key is refused by :meth:`load`); without,
+        file is authenticated (a file edited without the key is refused by :func:`load`); without,
         its checksum detects damage only.
         """
         checkpoint.save(path, {"q": self.q}, self.public_meta(), hmac_key=hmac_key)
@@ -144,15 +233,16 @@ class DPPVIResult:
 
         The model is re-traced on zeros shaped like one data row (no data rows are stored).
         """
-        arrays, meta = checkpoint.load(path, hmac_key=hmac_key)
-        return cls.from_saved(arrays, meta, model, path)
+        result = load(path, model, hmac_key)
+        if not isinstance(result, cls):
+            raise ValueError(f"{path} holds a {type(result).__name__}, not a {cls.__name__}")
+        return result
 
     @classmethod
     def from_saved(cls, arrays, meta, model, path="the file") -> "DPPVIResult":
-        if meta.get("private"):
-            raise ValueError(f"{path} is a private checkpoint (it holds the fit's secret key and client states); "
-                             "resume it with fit_dppvi(..., resume=path), and publish result.save(...) instead")
-        if meta.get("kind") != "DPPVIResult" or meta.get("format") != RESULT_FORMAT:
+        if model is None:
+            raise TypeError(f"loading {path} needs the model: numpyro_dppvi.load(path, model)")
+        if meta.get("format") != RESULT_FORMAT:
             raise ValueError(f"{path} does not hold a published DPPVIResult (format {RESULT_FORMAT})")
         adapter = ModelAdapter.for_shapes(model, meta["data_shapes"], meta["data_dtypes"])
         q = factors.Gaussian(arrays["['q'].eta1"], arrays["['q'].eta2"])

@@ -138,6 +138,15 @@ def calibrate_noise(
     return sigma
 
 
+def clear_memo() -> None:
+    """Forget every memoised calibration and accountant result of this process (for timing a cold
+    start; the persistent file, if any, is left alone)."""
+    _SOLVED.clear()
+    backends._epsilon.cache_clear()
+    backends._subsampled_gaussian_pld.cache_clear()
+    backends._gaussian_pld.cache_clear()
+
+
 #: A JSON file where solved calibrations persist across processes (set by
 #: :func:`numpyro_dppvi.enable_compilation_cache`); ``None``: in-process memo only.
 persistent_memo: Path | None = None

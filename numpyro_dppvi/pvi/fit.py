@@ -588,19 +588,8 @@ def fit_dppvi(model, clients, *, method: str = "pvi", schedule: str = "synchrono
     ``result.save(path)``, which holds only differentially private outputs. ``hmac_key`` (bytes)
     authenticates the checkpoint so that a tampered one is refused.
 
-    ``method="vips"``: federated VIPS for conjugate-exponential models (a ``ConjugateModel`` or a
-    NumPyro model matching a supported pattern): exact local steps, each client releasing its clipped,
-    noised expected sufficient statistics once per round; returns a ``VIPSResult``
-    (see :func:`numpyro_dppvi.vips.federated_fit.fit_federated_vips`).
+    ``numpyro_dppvi.fit_dppvi`` also takes ``method="vips"`` (federated VIPS, :mod:`numpyro_dppvi.fit`).
     """
-    if method == "vips":
-        from ..vips.federated_fit import fit_federated_vips  # vips sits above pvi: imported on use only
-
-        unknown = set(options) - {"trusted_aggregator", "detect_options"}
-        if unknown:
-            raise ValueError(f"fit_dppvi(method='vips') does not take {sorted(unknown)}")
-        return fit_federated_vips(model, clients, privacy=privacy, rounds=rounds, schedule=schedule, damping=damping,
-                                  rng_key=rng_key, **options)
     unknown = set(options) - {"shards", "invalid", "precision_floor", "trusted_aggregator", "privacy_unit",
                               "client_rate"}
     if unknown:

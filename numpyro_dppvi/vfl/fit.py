@@ -93,26 +93,9 @@ def fit_vfl(
     k_trace, k_init, k_run = jax.random.split(rng_key, 3)
 
     y = jax.tree_util.tree_map(jnp.asarray, y)
-    server_layout = trace_layout(likelihood, (jnp.zeros((n,)), y), k_trace, what="likelihood")
-    if not server_layout.observed:
-        raise ValueError(
-            "likelihood(eta, y) observes nothing: it must contain numpyro.sample(..., obs=y)"
-        )
-    if server_layout.params:
-        raise ValueError(
-            "likelihood(eta, y) has numpyro.param sites "
-            f"{[p.name for p in server_layout.params]}; give shared parameters a prior instead"
-        )
-    server = ServerParty(likelihood, server_layout, DiagonalGaussian(server_layout, init_scale),
-                         y, n, stl)
-    parties = [
-        make_client_party(
-            c, position=j, formulation=formulation, guide=guide, rho=rho, y=y,
-            likelihood=likelihood, server_layout=server_layout, num_clients=len(clients),
-            rng_key=k_trace, hidden=amortized_hidden, init_scale=init_scale, stl=stl,
-        )
-        for j, c in enumerate(clients)
-    ]
+    parties, server = build_parties(clients, y, likelihood, formulation=formulation, guide=guide, rho=rho,
+                                    amortized_hidden=amortized_hidden, init_scale=init_scale, stl=stl,
+                                    rng_key=k_trace)
     init, _, _ = make_step(parties, server, optimizer, formulation=formulation,
                            num_samples=num_samples, batch_size=batch_size, num_rows=n)
     state = init(k_init)
@@ -129,7 +112,35 @@ def fit_vfl(
         clients=list(clients), likelihood=likelihood, formulation=formulation, guide=guide,
         rho=rho, parties=parties, server=server, state=state, elbo=np.asarray(elbo),
         messages=recorder.messages, steps=steps, signature=signature,
+        settings=dict(num_samples=int(num_samples), batch_size=batch_size, amortized_hidden=int(amortized_hidden),
+                      init_scale=float(init_scale), stl=bool(stl)),
     )
+
+
+def build_parties(clients, y, likelihood, *, formulation, guide, rho, amortized_hidden, init_scale, stl, rng_key):
+    """Trace the likelihood and every client's sub-model; the server's and the clients' parties."""
+    n = check_clients(clients, y)
+    server_layout = trace_layout(likelihood, (jnp.zeros((n,)), y), rng_key, what="likelihood")
+    if not server_layout.observed:
+        raise ValueError(
+            "likelihood(eta, y) observes nothing: it must contain numpyro.sample(..., obs=y)"
+        )
+    if server_layout.params:
+        raise ValueError(
+            "likelihood(eta, y) has numpyro.param sites "
+            f"{[p.name for p in server_layout.params]}; give shared parameters a prior instead"
+        )
+    server = ServerParty(likelihood, server_layout, DiagonalGaussian(server_layout, init_scale),
+                         y, n, stl)
+    parties = [
+        make_client_party(
+            c, position=j, formulation=formulation, guide=guide, rho=rho, y=y,
+            likelihood=likelihood, server_layout=server_layout, num_clients=len(clients),
+            rng_key=rng_key, hidden=amortized_hidden, init_scale=init_scale, stl=stl,
+        )
+        for j, c in enumerate(clients)
+    ]
+    return parties, server
 
 
 def _with_data(parties, server, xs, y):

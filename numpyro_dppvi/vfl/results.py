@@ -14,21 +14,27 @@ from jax.scipy.special import logsumexp
 from numpyro.infer import Predictive
 
 from ..cache import cached, shapes
+from ..privacy.ledger import NotPrivate
+from ..results import Result
 from .client import check_clients
 from .models import AUX_SITE, augmented_model, centralised_model
 from .sites import log_lik_rows, run_program
 
 
 @dataclass
-class VFLResult:
-    """What :func:`fit_vfl` returns.
+class VFLResult(Result):
+    """What :func:`fit_vfl` returns (the :class:`~numpyro_dppvi.results.Result` protocol).
 
     Attributes:
         elbo: per-iteration Monte Carlo ELBO estimates, shape ``[steps]``.
-        history: message log: the messages of one iteration (sender, receiver, kind, shape,
-            size), their totals over the fit and per party.
-        state: the parties' final variational parameters and optimiser states (a pytree).
+        history: one dict per iteration: ``{"iteration", "elbo"}``.
+        communication: the message log: the messages of one iteration (sender, receiver, kind,
+            shape, size), their totals over the fit and per party.
+        privacy: :class:`~numpyro_dppvi.privacy.NotPrivate` (vertical fits add no noise).
+        state: the parties' final variational parameters (and, after a fit, optimiser states).
     """
+
+    kind = "VFLResult"
 
     clients: list
     likelihood: Callable
@@ -42,23 +48,44 @@ class VFLResult:
     messages: list
     steps: int
     signature: tuple | None = None  # static structure, for reusing compiled programs
-    history: dict = field(init=False)
+    settings: dict = field(default_factory=dict)  # the fit's remaining settings (for saving)
+    communication: dict | None = None
+    history: list = field(init=False)
+    privacy: Any = field(init=False)
 
     def __post_init__(self):
-        per_iteration = [m.to_dict() for m in self.messages]
-        sent, received = Counter(), Counter()
-        for m in self.messages:
-            sent[m.sender] += m.size * self.steps
-            received[m.receiver] += m.size * self.steps
-        self.history = {
-            "elbo": self.elbo,
-            "iterations": self.steps,
-            "messages_per_iteration": per_iteration,
-            "num_messages": len(self.messages) * self.steps,
-            "num_scalars": sum(m.size for m in self.messages) * self.steps,
-            "scalars_sent": dict(sent),
-            "scalars_received": dict(received),
-        }
+        if self.communication is None:
+            sent, received = Counter(), Counter()
+            for m in self.messages:
+                sent[m.sender] += m.size * self.steps
+                received[m.receiver] += m.size * self.steps
+            self.communication = {
+                "iterations": self.steps,
+                "messages_per_iteration": [m.to_dict() for m in self.messages],
+                "num_messages": len(self.messages) * self.steps,
+                "num_scalars": sum(m.size for m in self.messages) * self.steps,
+                "scalars_sent": dict(sent),
+                "scalars_received": dict(received),
+            }
+        self.history = [{"iteration": t + 1, "elbo": float(e)} for t, e in enumerate(np.asarray(self.elbo))]
+        self.privacy = NotPrivate("vertical federated fits (fit_vfl) add no noise")
+
+    # ----- the Result protocol ---------------------------------------------------------------
+    def sample(self, num_samples: int = 1000, rng_key=None) -> dict:
+        """Posterior draws of the latent sites, keyed by the sub-models' and the likelihood's own site
+        names (a name two clients share keeps its ``"<client>/"`` scope to stay unique)."""
+        draws = self.sample_posterior(rng_key, num_samples)
+        bare = [k.split("/", 1)[-1] for k in draws]
+        return {(b if bare.count(b) == 1 else k): v for k, b, (k, v) in zip(bare, bare, draws.items())}
+
+    def pointwise_log_likelihood(self, x_new, y_new, num_samples: int = 100, rng_key=None,
+                                 model: str | None = None) -> np.ndarray:
+        """``log p(y_i | x_i, draw s)`` for new rows, ``[num_samples, n]`` (see
+        :meth:`log_predictive_density`)."""
+        return np.asarray(self._pointwise(x_new, y_new, jax.random.key(3) if rng_key is None else rng_key,
+                                          num_samples, model))
+
+    observed_name = "y"
 
     # ----- posterior draws -------------------------------------------------------------------
     def point_params(self) -> dict:
@@ -97,18 +124,16 @@ class VFLResult:
                 out[f"{party.name}/{AUX_SITE}"] = z
         return out
 
-    def to_arviz(self, num_samples: int = 1000, rng_key=None, include_aux: bool = False):
-        """``arviz.InferenceData`` with a ``posterior`` group (one chain) of the latent sites."""
+    def to_arviz(self, num_samples: int = 1000, rng_key=None, eval_data=None, include_aux: bool = False):
+        """ArviZ data with a ``posterior`` group (one chain) of the latent sites (``include_aux``: the
+        training rows' auxiliary ``z_j`` too) and, given ``eval_data=(x_new, y_new)``, a
+        ``log_likelihood`` group."""
+        if not include_aux:
+            return super().to_arviz(num_samples, rng_key, eval_data)
         from numpyro_dppvi.arviz_compat import from_groups
 
         draws = self.sample_posterior(rng_key, num_samples, include_aux)
         return from_groups({"posterior": {k: v[None] for k, v in draws.items()}})
-
-    def summary(self, num_samples: int = 1000, rng_key=None, **kwargs):
-        """``arviz.summary`` of :meth:`to_arviz` (one chain: no R-hat)."""
-        import arviz as az
-
-        return az.summary(self.to_arviz(num_samples, rng_key), **kwargs)
 
     # ----- prediction ------------------------------------------------------------------------
     def _new_clients(self, x_new):
@@ -165,6 +190,10 @@ class VFLResult:
         with the same structure (e.g. the folds of a cross-validation).
         """
         rng_key = jax.random.key(3) if rng_key is None else rng_key
+        per_draw = self._pointwise(x_new, y_new, rng_key, num_samples, model)
+        return np.asarray(logsumexp(per_draw, axis=0) - jnp.log(num_samples))
+
+    def _pointwise(self, x_new, y_new, rng_key, num_samples, model):
         model = model or ("augmented" if self.formulation == "augmented" else "centralised")
         if model not in ("augmented", "centralised"):
             raise ValueError(f"model must be 'augmented' or 'centralised', got {model!r}")
@@ -176,7 +205,65 @@ class VFLResult:
         key = None if self.signature is None else (
             "lpd", self.signature, model, num_samples, shapes(xs), shapes(y_new))
         program = build() if key is None else cached(key, build)
-        return np.asarray(program(xs, y_new, self.state, rng_key))
+        return program(xs, y_new, self.state, rng_key)
+
+    # ----- saving ----------------------------------------------------------------------------
+    def save(self, path, hmac_key: bytes | None = None) -> None:
+        """Write the variational parameters, the ELBO trace, the message log and the settings to
+        ``path`` (``.npz`` + JSON, no pickle; no data rows). Load with
+        ``numpyro_dppvi.load(path, (clients, likelihood))``."""
+        from .. import checkpoint
+
+        leaves = jax.tree_util.tree_leaves(self.server.y)
+        meta = {"kind": self.kind, "format": _FORMAT, "formulation": self.formulation, "guide": self.guide,
+                "rho": self.rho, "steps": self.steps, "settings": self.settings,
+                "clients": [c.name for c in self.clients], "num_rows": int(self.server.num_rows),
+                "y": {"tuple": isinstance(self.server.y, tuple),
+                      "shapes": [list(np.shape(a)) for a in leaves], "dtypes": [str(np.asarray(a).dtype) for a in leaves]},
+                "communication": self.communication}
+        params = {"clients": self.state["clients"], "server": self.state["server"]}
+        checkpoint.save(path, {"params": params, "elbo": np.asarray(self.elbo)}, meta, hmac_key=hmac_key)
+
+    @classmethod
+    def load(cls, path, clients, likelihood, hmac_key: bytes | None = None) -> "VFLResult":
+        """Load a saved VFL fit: ``clients`` are the same ``VFLClient`` s (their sub-models; their
+        columns ``x`` may be any rows of the right shape, e.g. new ones) and ``likelihood`` the same
+        likelihood function (code is never stored)."""
+        from ..results import load
+
+        return load(path, (clients, likelihood), hmac_key)
+
+    @classmethod
+    def from_saved(cls, arrays, meta, model, path="the file") -> "VFLResult":
+        from .. import checkpoint
+        from .fit import build_parties  # fit wires the parties; results only rebuilds them
+
+        if meta.get("format") != _FORMAT:
+            raise ValueError(f"{path} is not a saved VFLResult (format {_FORMAT})")
+        if not (isinstance(model, tuple) and len(model) == 2):
+            raise TypeError(f"loading the VFL fit {path} needs model=(clients, likelihood): the VFLClient s "
+                            "(names and sub-models) and the likelihood function")
+        clients, likelihood = model
+        if [c.name for c in clients] != meta["clients"]:
+            raise ValueError(f"{path} was fitted with clients {meta['clients']}, got {[c.name for c in clients]}")
+        n = meta["num_rows"]
+        clients = [c.with_x(jax.tree_util.tree_map(lambda a: jnp.zeros((n,) + np.shape(a)[1:], np.asarray(a).dtype),
+                                                     c.x)) for c in clients]
+        ys = [jnp.zeros(shape, dtype) for shape, dtype in zip(meta["y"]["shapes"], meta["y"]["dtypes"])]
+        y = tuple(ys) if meta["y"]["tuple"] else ys[0]
+        settings = meta["settings"]
+        parties, server = build_parties(clients, y, likelihood, formulation=meta["formulation"], guide=meta["guide"],
+                                        rho=meta["rho"], amortized_hidden=settings["amortized_hidden"],
+                                        init_scale=settings["init_scale"], stl=settings["stl"],
+                                        rng_key=jax.random.key(0))
+        template = {"clients": [p.init(jax.random.key(0)) for p in parties], "server": server.init()}
+        saved = checkpoint.unflatten_like({"params": template, "elbo": np.zeros(meta["steps"], np.float32)}, arrays)
+        return cls(clients=clients, likelihood=likelihood, formulation=meta["formulation"], guide=meta["guide"],
+                   rho=meta["rho"], parties=parties, server=server, state=saved["params"], elbo=saved["elbo"],
+                   messages=[], steps=meta["steps"], settings=settings, communication=meta["communication"])
+
+
+_FORMAT = "numpyro_dppvi.VFLResult/1"
 
 
 def _log_predictive_density(parties, server, rho, model, num_samples, xs, y, state, rng_key):
@@ -195,5 +282,4 @@ def _log_predictive_density(parties, server, rho, model, num_samples, xs, y, sta
             eta = eta + g
         return log_lik_rows(server.likelihood, (eta, y), server.layout, gamma_u, {})
 
-    per_draw = jax.vmap(one_draw)(jax.random.split(rng_key, num_samples))
-    return logsumexp(per_draw, axis=0) - jnp.log(num_samples)
+    return jax.vmap(one_draw)(jax.random.split(rng_key, num_samples))  # [S, n]

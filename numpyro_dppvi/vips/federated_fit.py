@@ -30,14 +30,15 @@ from numpyro_dppvi.vips.results import VIPSResult
 
 def _resolve_model(model, clients, detect_options):
     if is_conjugate_model(model):
-        return model, [model.validate_data(tuple(np.asarray(a) for a in c)) for c in clients], None, None
+        return model, [model.validate_data(tuple(np.asarray(a) for a in c)) for c in clients], None, None, None
     if not callable(model):
         raise TypeError("model must be a ConjugateModel or a NumPyro model function")
     from numpyro_dppvi.vips.detect import detect_conjugate
 
     detections = [detect_conjugate(model, *c, **(detect_options or {})) for c in clients]
     conjugate = detections[0].model
-    return conjugate, [conjugate.validate_data(d.data) for d in detections], model, detections[0].site_map
+    return (conjugate, [conjugate.validate_data(d.data) for d in detections], model, detections[0].site_map,
+            detections[0].observed_site)
 
 
 def fit_federated_vips(model, clients, *, privacy=None, rounds: int = 1, schedule: str = "synchronous",
@@ -56,7 +57,7 @@ def fit_federated_vips(model, clients, *, privacy=None, rounds: int = 1, schedul
     if trusted_aggregator and (privacy is None or schedule != "synchronous"):
         raise ValueError("trusted_aggregator=True needs privacy and schedule='synchronous'")
     clients = validate_clients(clients)
-    conjugate, data, numpyro_model, site_map = _resolve_model(model, clients, detect_options)
+    conjugate, data, numpyro_model, site_map, observed = _resolve_model(model, clients, detect_options)
     num_clients = len(data)
     key_data, seed = resolve_key(rng_key)
     rng_key = jax.random.wrap_key_data(key_data)
@@ -95,9 +96,10 @@ def fit_federated_vips(model, clients, *, privacy=None, rounds: int = 1, schedul
         if ledger is not None:
             entry["epsilon"] = ledger.epsilon
         history.append(entry)
-    return VIPSResult(model=conjugate, params=params, history={"rounds": history}, privacy=ledger,
+    return VIPSResult(model=conjugate, params=params, history=history, privacy=ledger,
                       noise_multiplier=sigma if privacy is not None else None, numpyro_model=numpyro_model,
                       site_map=site_map, info={"federated": True, "schedule": schedule, "damping": damping,
+                                               **({"observed": observed} if observed else {}),
                                                "trusted_aggregator": trusted_aggregator})
 
 

@@ -126,14 +126,14 @@ def fit_vips(model, data, *, privacy=None, batch_size: int | None = None, iterat
     Returns:
         :class:`~numpyro_dppvi.vips.results.VIPSResult`.
     """
-    numpyro_model, site_map = None, None
+    numpyro_model, site_map, observed = None, None, None
     if not is_conjugate_model(model):
         if not callable(model):
             raise TypeError("model must be a ConjugateModel or a NumPyro model function.")
         from numpyro_dppvi.vips.detect import detect_conjugate
 
         detection = detect_conjugate(model, *_check_data(data), **(detect_options or {}))
-        numpyro_model, site_map = model, detection.site_map
+        numpyro_model, site_map, observed = model, detection.site_map, detection.observed_site
         model, data = detection.model, detection.data
     data = model.validate_data(_check_data(data))
     n = int(data[0].shape[0])
@@ -182,7 +182,7 @@ def fit_vips(model, data, *, privacy=None, batch_size: int | None = None, iterat
 
     params = model.init_params(key_init)
     params, trace = run(params, jax.random.split(key_steps, iterations), data)
-    history = {name: np.asarray(value) for name, value in trace.items()}
+    history = [{"iteration": t + 1, "rho": float(rho)} for t, rho in enumerate(np.asarray(trace["rho"]))]
 
     ledger = None
     if release is not None:
@@ -192,4 +192,5 @@ def fit_vips(model, data, *, privacy=None, batch_size: int | None = None, iterat
                       numpyro_model=numpyro_model, site_map=site_map,
                       info={"num_data": n, "batch_size": int(batch_size), "iterations": iterations,
                             "tau0": float(tau0), "kappa": float(kappa),
-                            "joint_clip": None if bounds is None else joint_sensitivity(bounds)})
+                            "joint_clip": None if bounds is None else joint_sensitivity(bounds),
+                            **({"observed": observed} if observed else {})})

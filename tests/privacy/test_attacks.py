@@ -155,11 +155,11 @@ def test_vips_history_no_longer_carries_the_clip_count_distinguisher(tmp_path):
     model = BayesianLinearRegression(2, noise_scale=1.0, feature_bound=1.0, target_bound=1.0)
     kwargs = dict(privacy=Privacy(noise_multiplier=1.0), batch_size=20, iterations=30)
     on_d, on_d_prime = dppvi.fit_vips(model, (x, y), **kwargs), dppvi.fit_vips(model, outlier, **kwargs)
-    assert set(on_d.history) == set(on_d_prime.history) == {"rho"}
-    np.testing.assert_array_equal(on_d.history["rho"], on_d_prime.history["rho"])
+    assert all(set(h) == {"iteration", "rho"} for h in on_d.history + on_d_prime.history)
+    assert on_d.history == on_d_prime.history
     on_d.save(tmp_path / "v.npz")
     _, meta = checkpoint.load(tmp_path / "v.npz")
-    assert "num_clipped" not in json.dumps(meta) and "batch_size" not in meta["history"]
+    assert "num_clipped" not in json.dumps(meta) and "batch_size" not in json.dumps(meta["history"])
 
 
 # --------------------------------------------------------------------------- finding 5

@@ -119,7 +119,7 @@ def test_result_to_arviz_predict_and_history(linear_gaussian):
 
     assert result.elbo.shape == (STEPS,)
     assert result.elbo[-100:].mean() > result.elbo[:100].mean()
-    h = result.history
+    h = result.communication
     assert h["iterations"] == STEPS and h["num_messages"] == 4 * STEPS
     assert h["scalars_sent"]["server"] == h["scalars_received"]["c0"] + h["scalars_received"]["c1"]
     with pytest.raises(ValueError, match="clients"):

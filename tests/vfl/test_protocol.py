@@ -103,7 +103,7 @@ def test_clients_only_see_their_own_columns(logistic_data, guide):
     assert any(s[0] == 30 for s in seen)
     # with y private to the server, no message to a client carries y or other clients' data:
     # Algorithm 1 with mini-batches, per iteration and client: row index, z_j, dL_0/dz_j
-    h = result.history
+    h = result.communication
     to_clients = [m for m in h["messages_per_iteration"] if m["receiver"] != "server"]
     assert {m["kind"] for m in to_clients} == {"row_index", "dL0/dz"}
     assert h["num_messages"] == 3 * 2 * 5
@@ -130,7 +130,7 @@ def test_power_message_counts_and_sizes(logistic_data):
     steps, batch, samples = 4, 25, 2
     result = fit_vfl(clients, y, logistic_likelihood, formulation=formulation, rho=1.0,
                      steps=steps, batch_size=batch, num_samples=samples, rng_key=jax.random.key(0))
-    h = result.history
+    h = result.communication
     assert h["num_messages"] == per_iteration * steps
     sizes = {(m["sender"], m["receiver"], m["kind"]): m["size"]
              for m in h["messages_per_iteration"]}

@@ -41,7 +41,7 @@ def test_split_nn_learns_a_nonlinear_vertical_label():
     assert result.sample_posterior(num_samples=5) == {}  # nothing random in a split NN
     weights = ("W0", "b0", "W1", "b1", "w")
     assert set(result.point_params()) == {f"{c}/{w}" for c in "ab" for w in weights}
-    kinds = {(m["sender"], m["kind"]) for m in result.history["messages_per_iteration"]}
+    kinds = {(m["sender"], m["kind"]) for m in result.communication["messages_per_iteration"]}
     assert kinds == {("a", "z"), ("b", "z"), ("server", "dL0/dz")}
 
 
