@@ -103,7 +103,7 @@ def main(argv=None):
                 t = time.time()
                 post = nuts(build(clients, bernoulli_logit, rho), y, warmup, samples)
                 draws[J, name, "MCMC", rho] = np.asarray(post[site][:, 0])
-                for guide in ("mean_field", "amortized"):
+                for guide in ("mean_field", "amortised"):
                     result = fit_vfl(clients, y, bernoulli_logit, formulation=formulation,
                                      guide=guide, rho=rho, steps=steps,
                                      optimizer=optax.adam(1e-2), rng_key=jax.random.key(1))
@@ -138,7 +138,7 @@ def _plot(draws, client_counts, rhos, truth, path):
                              squeeze=False)
     for a, J in enumerate(client_counts):
         for b, rho in enumerate(rhos):
-            for row, methods in enumerate((("MCMC",), ("mean_field", "amortized"))):
+            for row, methods in enumerate((("MCMC",), ("mean_field", "amortised"))):
                 ax = axes[2 * a + row, b]
                 ref = draws[J, "true", "MCMC" if row == 0 else "MFVI"]
                 ax.hist(ref, bins=40, density=True, histtype="step", color="k", label="true")

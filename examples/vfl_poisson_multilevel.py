@@ -100,7 +100,7 @@ def synthetic(args):
         show(f"augmented rho={rho}, NUTS",
              nuts(augmented_model(clients, poisson_with_offset, rho), y, warmup, samples))
         result = fit_vfl(clients, y, poisson_with_offset, formulation="augmented",
-                         guide="amortized", rho=rho, steps=steps, optimizer=optax.adam(1e-2),
+                         guide="amortised", rho=rho, steps=steps, optimizer=optax.adam(1e-2),
                          rng_key=jax.random.key(1), batch_size=min(n, 256))
         show(f"augmented rho={rho}, SFVI", result.sample_posterior(jax.random.key(2), 2000))
         print(f"{'':>28} final ELBO {np.mean(result.elbo[-steps // 10:]):.1f}, "
@@ -153,7 +153,7 @@ def grouseticks(args):
     print(f"\ngrouseticks: NUTS on the true model {time.time() - t:.0f}s")
     fits = {"true model, NUTS": ref}
     for rho in (0.5, 1.0):
-        result = fit_vfl(clients, counts, poisson_log, formulation="augmented", guide="amortized",
+        result = fit_vfl(clients, counts, poisson_log, formulation="augmented", guide="amortised",
                          rho=rho, steps=steps, optimizer=optax.adam(1e-2),
                          rng_key=jax.random.key(0))
         fits[f"augmented rho={rho}, SFVI"] = result.sample_posterior(jax.random.key(1), 2000)

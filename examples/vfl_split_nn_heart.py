@@ -73,7 +73,7 @@ def cross_validate(kind, rho=1.0, steps=STEPS, learning_rate=1e-2, num_folds=10,
         t = time.time()
         result = fit_vfl(clients, y[train], bernoulli_logit,
                          formulation="augmented" if kind == "bayes" else "split",
-                         guide="amortized", rho=rho, steps=steps, optimizer=optimizer,
+                         guide="amortised", rho=rho, steps=steps, optimizer=optimizer,
                          rng_key=jax.random.key(seed * 1000 + f), batch_size=batch_size)
         lpd = result.log_predictive_density([x[test][:, c] for c in cols], y[test],
                                             rng_key=jax.random.key(f), num_samples=num_samples)

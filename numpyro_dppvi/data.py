@@ -85,8 +85,11 @@ def _as_array_tuple(data, what: str) -> tuple[np.ndarray, ...]:
         )
     for j, arr in enumerate(arrays):
         if arr.dtype.kind in "fc" and not np.all(np.isfinite(arr)):
+            bad = np.flatnonzero(~np.all(np.isfinite(arr.reshape(len(arr), -1)), axis=1)) if arr.ndim else [0]
+            rows = ", ".join(str(int(i)) for i in bad[:5]) + (", ..." if len(bad) > 5 else "")
             raise ValueError(
-                f"array {j} of {what} contains NaN or inf; impute or drop those rows first."
+                f"array {j} of {what} contains NaN or inf in {len(bad)} row(s) ({rows}); impute or drop "
+                "those rows first."
             )
     return tuple(arrays)
 

@@ -86,24 +86,19 @@ def is_proper(g: Gaussian) -> jax.Array:
     return jnp.all(g.eta2 < 0) & jnp.all(jnp.isfinite(g.eta1)) & jnp.all(jnp.isfinite(g.eta2))
 
 
-def check_proper(g: Gaussian, what: str) -> None:
-    """Host-side check raising a ``ValueError`` that says which object is invalid and why."""
+def check_proper(g: Gaussian, what: str, advice: str = "use more damping (a smaller `damping`) or fewer "
+                                                          "local steps so updates stay valid") -> None:
+    """Host-side check raising a ``ValueError`` that says which object is invalid, why, and ``advice``
+    (in the options of the function the user called)."""
     eta1, eta2 = np.asarray(g.eta1), np.asarray(g.eta2)
     if not (np.all(np.isfinite(eta1)) and np.all(np.isfinite(eta2))):
-        raise ValueError(f"{what} has non-finite natural parameters")
+        raise ValueError(f"{what} has non-finite natural parameters: {advice}.")
     bad = np.flatnonzero(np.reshape(eta2 >= 0, -1))
     if bad.size:
         raise ValueError(
             f"{what} is not a proper Gaussian: eta2 >= 0 (non-positive precision) at "
-            f"{bad.size} coordinate(s), first index {int(bad[0])}. Use more damping "
-            "(a smaller `damping`) or fewer local steps so updates stay valid."
+            f"{bad.size} coordinate(s), first index {int(bad[0])}: {advice}."
         )
-
-
-def mean_and_second_moment(g: Gaussian) -> tuple[jax.Array, jax.Array]:
-    """``E[u]`` and ``E[u**2]`` of a proper factor."""
-    loc, sd = to_loc_scale(g)
-    return loc, jnp.square(loc) + jnp.square(sd)
 
 
 def expected_log_factor(loc, scale_, g: Gaussian) -> jax.Array:

@@ -19,7 +19,11 @@ import jax.numpy as jnp
 import numpy as np
 from jax.scipy.special import logsumexp
 
+from numpyro.infer import Predictive
+from numpyro.infer.util import log_likelihood
+
 from . import checkpoint, factors
+from .arviz_compat import from_groups
 from .evaluation import evaluate, log_predictive_density
 from .model import ModelAdapter
 from .privacy.ledger import NotPrivate, PrivacyLedger
@@ -71,8 +75,6 @@ class Result:
 
         Pass the model's data arguments without the observations (e.g. ``predict(x_test)``).
         """
-        from numpyro.infer import Predictive  # the inference module is only needed here
-
         rng_key = jax.random.key(2) if rng_key is None else rng_key
         k_post, k_pred = jax.random.split(rng_key)
         predictive = Predictive(self.predictive_model(), posterior_samples=self.sample(num_samples, k_post),
@@ -82,8 +84,6 @@ class Result:
     def pointwise_log_likelihood(self, *data, num_samples: int = 100, rng_key=None) -> np.ndarray:
         """``log p(x_i | theta_s)`` for ``num_samples`` posterior draws and the rows of ``data``:
         ``[num_samples, n]`` (the observed sites of a row summed)."""
-        from numpyro.infer.util import log_likelihood
-
         rng_key = jax.random.key(3) if rng_key is None else rng_key
         per_site = log_likelihood(self.predictive_model(), self.sample(num_samples, rng_key), *data)
         return np.asarray(sum(jnp.reshape(v, (v.shape[0], v.shape[1], -1)).sum(-1) for v in per_site.values()))
@@ -96,8 +96,6 @@ class Result:
     def to_arviz(self, num_samples: int = 1000, rng_key=None, eval_data: Sequence | None = None):
         """ArviZ data (``InferenceData``; a ``DataTree`` with ArviZ 1.x) with a ``posterior`` group (site
         names and shapes, one chain) and, given ``eval_data``, a ``log_likelihood`` group per row."""
-        from .arviz_compat import from_groups
-
         rng_key = jax.random.key(4) if rng_key is None else rng_key
         groups = {"posterior": {k: v[None] for k, v in self.sample(num_samples, rng_key).items()}}
         if eval_data is not None:

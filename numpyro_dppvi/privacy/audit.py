@@ -90,12 +90,6 @@ def _lower_bounds_for_thresholds(stat_pos, stat_neg, thresholds, delta, confiden
     return np.maximum(np.maximum(first, second), 0.0)
 
 
-def run_mechanism(mechanism: Callable, key, dataset, num_runs: int, chunk: int = 16384):
-    """``num_runs`` outputs of ``mechanism(key_r, dataset)`` as an array ``[num_runs, d]``,
-    ``jit``-compiled and ``vmap``-ped over keys in equal chunks (one compilation)."""
-    return _run(_batched(mechanism), key, dataset, num_runs, chunk)
-
-
 def _batched(mechanism):
     return jax.jit(jax.vmap(mechanism, in_axes=(0, None)))
 

@@ -140,7 +140,7 @@ def _event(noise_multiplier, sampling, rate, count) -> GaussianEvent:
 
 
 def _dp_accounting_relation(neighbouring: str):
-    import dp_accounting
+    import dp_accounting  # the accountant libraries load on first use: slow to import, idle in non-private fits
 
     rel = dp_accounting.NeighboringRelation
     return rel.ADD_OR_REMOVE_ONE if neighbouring == "add_remove" else rel.REPLACE_ONE

@@ -171,9 +171,6 @@ class PrivacyLedger:
         """``{client: {"reason": ..., "round": ...}}`` for stopped clients."""
         return {m: dict(v) for m, v in sorted(self._stopped.items())}
 
-    def is_stopped(self, client: int) -> bool:
-        return self._check_client(client) in self._stopped
-
     # ------------------------------------------------------------------ epsilon
     def _epsilon_of(self, events) -> float:
         events = merge_events(events)

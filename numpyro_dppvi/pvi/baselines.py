@@ -43,6 +43,7 @@ def fit_global_vi(model, clients, *, steps: int = 1000, steps_per_round: int = 1
     driver = DPPVI(model, method="pvi" if privacy is None else "dp_optimisation", schedule="sequential",
                    optimizer=optimizer, local_steps=steps_per_round, batch_size=batch_size, num_samples=num_samples,
                    damping=1.0, privacy=privacy, rounds=rounds)
+    driver.caller = "fit_global_vi"
     pooled_result = driver.run(rng_key, [pooled], rounds, eval_data=eval_data, progress=progress)
     history = [dict(entry, communications=entry["round"] * steps_per_round * len(clients),
                     participated=[True] * len(clients)) for entry in pooled_result.history]
@@ -68,29 +69,22 @@ def fit_bcm(model, clients, *, prior: str = "same", local_steps: int = 1000, bat
     driver = DPPVI(model, method="pvi" if privacy is None else "dp_optimisation", schedule="synchronous",
                    optimizer=optimizer, local_steps=local_steps, batch_size=batch_size, num_samples=num_samples,
                    damping=1.0, privacy=privacy, rounds=1)
+    driver.caller = "fit_bcm"
     start = time.perf_counter()
     state = driver.init(rng_key, clients)
     q0 = state.q  # prior (times the server's prior factor for non-Gaussian priors)
-    weights = driver.sizes / jnp.sum(driver.sizes) if prior == "split" else jnp.ones_like(driver.sizes)
+    sizes = np.asarray(driver.public_sizes, np.float32)
+    weights = sizes / sizes.sum() if prior == "split" else np.ones_like(sizes)
     local_priors = factors.Gaussian(weights[:, None] * q0.eta1, weights[:, None] * q0.eta2)
-
-    def fit_all(data, mask, sizes, key):
-        keys = jax.vmap(lambda i: jax.random.fold_in(key, i))(jnp.arange(sizes.shape[0]))
-        q_k, _, _ = jax.vmap(driver.rule.update, in_axes=(0, 0, 0, 0, 0, 0, 0))(
-            local_priors, local_priors, data, mask, sizes, keys, state.client_state)
-        return q_k
-
-    q_k = jax.jit(fit_all)(driver.data, driver.mask, driver.sizes, jax.random.fold_in(jax.random.wrap_key_data(state.key), 1))
-    if driver.ledger is not None:
-        for m in range(len(driver.clients)):
-            driver.ledger.record(m, driver.plan.event(m, 1))
+    q_k = driver.local_posteriors(state, local_priors)
     t_k = factors.divide(q_k, local_priors)  # each client's factor
     q = factors.multiply(q0, factors.product(t_k))
-    factors.check_proper(q, "the BCM posterior (fit_bcm)")
-    entry = {"round": 1, "communications": len(driver.clients), "participated": [True] * len(driver.clients),
+    factors.check_proper(q, "the BCM posterior (fit_bcm)", "lower `local_steps` or the optimizer's learning rate")
+    num_clients = len(sizes)
+    entry = {"round": 1, "communications": num_clients, "participated": [True] * num_clients,
              "seconds": time.perf_counter() - start}
     if eval_data is not None:
-        arrays = driver.adapter.validate_data(eval_data, "eval_data")
+        arrays = driver.adapter.validate_data(eval_data, "fit_bcm eval_data")
         entry.update(evaluate(driver.adapter, q, arrays, jax.random.fold_in(jax.random.wrap_key_data(state.key), 0x5EED)))
     return DPPVIResult(driver.adapter, q, [entry], method=f"bcm_{prior}", schedule=None, privacy=driver.ledger,
                        config=dict(driver.settings(), prior=prior), rounds=1)

@@ -144,14 +144,22 @@ def _largest_count(epsilon_of, cap: float, horizon: int) -> int:
     return lo
 
 
+def check_subsampled(batch_size: int, sizes, caller: str = "fit_dppvi") -> None:
+    """DP-SGD needs a sampling rate below 1 on every client (a batch smaller than the client): a clear
+    error naming the clients and a batch size that works, in the options of ``caller``."""
+    sizes = np.asarray(sizes, int)
+    small = np.flatnonzero(batch_size >= sizes)
+    if small.size:
+        fix = "or merge the small clients" if caller != "fit_global_vi" else "(the pooled data is one client)"
+        raise ValueError(f"{caller}: batch_size={batch_size} is not smaller than client(s) {small.tolist()[:10]} "
+                         f"(sizes {sizes[small].tolist()[:10]}), so their batches would not be subsampled; use "
+                         f"batch_size <= {max(int(sizes.min()) // 2, 1)} {fix}")
+
+
 def dp_sgd_plan(privacy: Privacy, sizes, batch_size: int, local_steps: int, rounds: int | None,
                 dimension: int) -> PrivacyPlan:
     sizes = np.asarray(sizes, int)
-    if np.any(batch_size >= sizes):
-        small = np.flatnonzero(batch_size >= sizes)
-        raise ValueError(f"fit_dppvi(method='dp_optimisation'): batch_size={batch_size} is not smaller than "
-                         f"client(s) {small.tolist()} (sizes {sizes[small].tolist()}), so their batches would not be "
-                         f"subsampled; use batch_size <= {max(int(sizes.min()) // 2, 1)} or merge the small clients")
+    check_subsampled(batch_size, sizes)
     if privacy.sampling == "poisson":  # rates rounded up so that clients of nearly equal size share one
         rates = np.array([accounted_rate(batch_size, int(n)) for n in sizes])
     else:  # a fixed batch without replacement: the rate is exactly batch / n

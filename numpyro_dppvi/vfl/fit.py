@@ -13,7 +13,7 @@ import optax
 from ..keys import resolve as resolve_key
 from ..cache import cached, shapes
 from .client import VFLClient, check_clients
-from .guides import GUIDES, DiagonalGaussian
+from .guides import GUIDE_ALIASES, GUIDES, DiagonalGaussian
 from .models import _check_rho
 from .parties import FORMULATIONS, ServerParty, make_client_party, standardised_response
 from .protocol import Channel, make_step
@@ -34,9 +34,10 @@ def fit_vfl(
     num_samples: int = 1,
     rng_key=None,
     batch_size: int | None = None,
-    amortized_hidden: int = 16,
+    amortised_hidden: int = 16,
     init_scale: float = 0.1,
     stl: bool = True,
+    amortized_hidden: int | None = None,
 ) -> VFLResult:
     """Fit a vertical federated model by SFVI (Hassan et al., Algorithm 1 or 2).
 
@@ -52,7 +53,8 @@ def fit_vfl(
         formulation: ``"augmented"`` (eq. 6, Algorithm 1), ``"power"`` (eq. 7, Algorithm 2) or
             ``"split"`` (split NN: deterministic clients, ``z_j = g_j``, same messages as
             Algorithm 1).
-        guide: ``"mean_field"`` (eq. 10) or ``"amortized"`` (eq. 9) for ``q(z_j | .)``.
+        guide: ``"mean_field"`` (eq. 10) or ``"amortised"`` (eq. 9; ``"amortized"`` is accepted) for
+            ``q(z_j | .)``.
         rho: standard deviation of ``z_j | theta_j`` (ignored by ``"split"``).
         steps: protocol iterations.
         optimizer: an optax transformation used by every party (default ``adam(1e-2)``).
@@ -60,7 +62,8 @@ def fit_vfl(
         rng_key: a ``jax.random`` key (default: a fresh key from the operating system).
         batch_size: rows per iteration (sampled without replacement by the server and sent to
             the clients as a row index); ``None`` uses all rows.
-        amortized_hidden: width of the amortised network's hidden layer.
+        amortised_hidden: width of the amortised network's hidden layer (``amortized_hidden`` is
+            accepted).
         init_scale: initial std of ``q(theta)`` (and ``init_scale * rho`` for ``q(z)``).
         stl: use the sticking-the-landing gradient estimator (eq. 4).
 
@@ -69,8 +72,10 @@ def fit_vfl(
     """
     if formulation not in FORMULATIONS:
         raise ValueError(f"formulation must be one of {FORMULATIONS}, got {formulation!r}")
+    guide = GUIDE_ALIASES.get(guide, guide)
     if guide not in GUIDES:
-        raise ValueError(f"guide must be one of {GUIDES}, got {guide!r}")
+        raise ValueError(f"fit_vfl: guide must be one of {GUIDES}, got {guide!r}")
+    amortised_hidden = amortised_hidden if amortized_hidden is None else amortized_hidden
     if y is None:
         raise ValueError("y is required: the server (or, for 'power', every client) holds it")
     n = check_clients(clients, y)
@@ -94,13 +99,13 @@ def fit_vfl(
 
     y = jax.tree_util.tree_map(jnp.asarray, y)
     parties, server = build_parties(clients, y, likelihood, formulation=formulation, guide=guide, rho=rho,
-                                    amortized_hidden=amortized_hidden, init_scale=init_scale, stl=stl,
+                                    amortised_hidden=amortised_hidden, init_scale=init_scale, stl=stl,
                                     rng_key=k_trace)
     init, _, _ = make_step(parties, server, optimizer, formulation=formulation,
                            num_samples=num_samples, batch_size=batch_size, num_rows=n)
     state = init(k_init)
     signature = (
-        formulation, guide, rho, num_samples, batch_size, amortized_hidden, init_scale, stl,
+        formulation, guide, rho, num_samples, batch_size, amortised_hidden, init_scale, stl,
         likelihood, shapes(y), tuple((c.name, c.submodel, shapes(c.x)) for c in clients),
     )
     run, recorder = cached(
@@ -112,12 +117,12 @@ def fit_vfl(
         clients=list(clients), likelihood=likelihood, formulation=formulation, guide=guide,
         rho=rho, parties=parties, server=server, state=state, elbo=np.asarray(elbo),
         messages=recorder.messages, steps=steps, signature=signature,
-        settings=dict(num_samples=int(num_samples), batch_size=batch_size, amortized_hidden=int(amortized_hidden),
+        settings=dict(num_samples=int(num_samples), batch_size=batch_size, amortised_hidden=int(amortised_hidden),
                       init_scale=float(init_scale), stl=bool(stl)),
     )
 
 
-def build_parties(clients, y, likelihood, *, formulation, guide, rho, amortized_hidden, init_scale, stl, rng_key):
+def build_parties(clients, y, likelihood, *, formulation, guide, rho, amortised_hidden, init_scale, stl, rng_key):
     """Trace the likelihood and every client's sub-model; the server's and the clients' parties."""
     n = check_clients(clients, y)
     server_layout = trace_layout(likelihood, (jnp.zeros((n,)), y), rng_key, what="likelihood")
@@ -136,7 +141,7 @@ def build_parties(clients, y, likelihood, *, formulation, guide, rho, amortized_
         make_client_party(
             c, position=j, formulation=formulation, guide=guide, rho=rho, y=y,
             likelihood=likelihood, server_layout=server_layout, num_clients=len(clients),
-            rng_key=rng_key, hidden=amortized_hidden, init_scale=init_scale, stl=stl,
+            rng_key=rng_key, hidden=amortised_hidden, init_scale=init_scale, stl=stl,
         )
         for j, c in enumerate(clients)
     ]

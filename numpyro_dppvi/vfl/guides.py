@@ -30,7 +30,9 @@ from jax.scipy.stats import norm
 
 from .sites import ProgramLayout, unconstrained_zeros_like
 
-GUIDES = ("mean_field", "amortized")
+GUIDES = ("mean_field", "amortised")
+#: Spellings accepted for a guide (American spelling of the earlier releases).
+GUIDE_ALIASES = {"amortized": "amortised"}
 
 
 def _sg(tree, stl: bool):
@@ -137,12 +139,12 @@ class AmortizedAux:
 
 def make_aux_guide(kind: str, *, num_rows: int, rho: float, uses_y: bool, hidden: int = 16,
                    init_scale: float = 0.1):
-    """The ``q(z_j | .)`` family named ``kind`` ("mean_field" or "amortized").
+    """The ``q(z_j | .)`` family named ``kind`` ("mean_field" or "amortised").
 
     The initial standard deviation of ``z`` is ``init_scale * rho``.
     """
     if kind == "mean_field":
         return MeanFieldAux(num_rows, init_scale * rho)
-    if kind == "amortized":
+    if GUIDE_ALIASES.get(kind, kind) == "amortised":
         return AmortizedAux(uses_y, hidden, init_scale * rho)
     raise ValueError(f"guide must be one of {GUIDES}, got {kind!r}")

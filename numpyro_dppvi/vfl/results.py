@@ -13,9 +13,11 @@ import numpy as np
 from jax.scipy.special import logsumexp
 from numpyro.infer import Predictive
 
+from .. import checkpoint
+from ..arviz_compat import from_groups
 from ..cache import cached, shapes
 from ..privacy.ledger import NotPrivate
-from ..results import Result
+from ..results import Result, load
 from .client import check_clients
 from .models import AUX_SITE, augmented_model, centralised_model
 from .sites import log_lik_rows, run_program
@@ -27,7 +29,7 @@ class VFLResult(Result):
 
     Attributes:
         elbo: per-iteration Monte Carlo ELBO estimates, shape ``[steps]``.
-        history: one dict per iteration: ``{"iteration", "elbo"}``.
+        history: one dict per step: ``{"step", "elbo"}``.
         communication: the message log: the messages of one iteration (sender, receiver, kind,
             shape, size), their totals over the fit and per party.
         privacy: :class:`~numpyro_dppvi.privacy.NotPrivate` (vertical fits add no noise).
@@ -67,7 +69,7 @@ class VFLResult(Result):
                 "scalars_sent": dict(sent),
                 "scalars_received": dict(received),
             }
-        self.history = [{"iteration": t + 1, "elbo": float(e)} for t, e in enumerate(np.asarray(self.elbo))]
+        self.history = [{"step": t + 1, "elbo": float(e)} for t, e in enumerate(np.asarray(self.elbo))]
         self.privacy = NotPrivate("vertical federated fits (fit_vfl) add no noise")
 
     # ----- the Result protocol ---------------------------------------------------------------
@@ -130,8 +132,6 @@ class VFLResult(Result):
         ``log_likelihood`` group."""
         if not include_aux:
             return super().to_arviz(num_samples, rng_key, eval_data)
-        from numpyro_dppvi.arviz_compat import from_groups
-
         draws = self.sample_posterior(rng_key, num_samples, include_aux)
         return from_groups({"posterior": {k: v[None] for k, v in draws.items()}})
 
@@ -212,8 +212,6 @@ class VFLResult(Result):
         """Write the variational parameters, the ELBO trace, the message log and the settings to
         ``path`` (``.npz`` + JSON, no pickle; no data rows). Load with
         ``numpyro_dppvi.load(path, (clients, likelihood))``."""
-        from .. import checkpoint
-
         leaves = jax.tree_util.tree_leaves(self.server.y)
         meta = {"kind": self.kind, "format": _FORMAT, "formulation": self.formulation, "guide": self.guide,
                 "rho": self.rho, "steps": self.steps, "settings": self.settings,
@@ -229,14 +227,11 @@ class VFLResult(Result):
         """Load a saved VFL fit: ``clients`` are the same ``VFLClient`` s (their sub-models; their
         columns ``x`` may be any rows of the right shape, e.g. new ones) and ``likelihood`` the same
         likelihood function (code is never stored)."""
-        from ..results import load
-
         return load(path, (clients, likelihood), hmac_key)
 
     @classmethod
     def from_saved(cls, arrays, meta, model, path="the file") -> "VFLResult":
-        from .. import checkpoint
-        from .fit import build_parties  # fit wires the parties; results only rebuilds them
+        from .fit import build_parties  # a cycle: fit builds and returns results; results rebuilds parties
 
         if meta.get("format") != _FORMAT:
             raise ValueError(f"{path} is not a saved VFLResult (format {_FORMAT})")
@@ -253,7 +248,7 @@ class VFLResult(Result):
         y = tuple(ys) if meta["y"]["tuple"] else ys[0]
         settings = meta["settings"]
         parties, server = build_parties(clients, y, likelihood, formulation=meta["formulation"], guide=meta["guide"],
-                                        rho=meta["rho"], amortized_hidden=settings["amortized_hidden"],
+                                        rho=meta["rho"], amortised_hidden=settings["amortised_hidden"],
                                         init_scale=settings["init_scale"], stl=settings["stl"],
                                         rng_key=jax.random.key(0))
         template = {"clients": [p.init(jax.random.key(0)) for p in parties], "server": server.init()}

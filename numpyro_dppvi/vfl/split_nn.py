@@ -8,7 +8,7 @@ ends in a last layer ``w_j``:
   sends ``z_j``, the server returns ``dlog p(y | sum_j z_j)/dz_j``);
 * hierarchical Bayes split NN: ``w_j ~ N(0, prior_scale^2)`` and ``g_ij = h_ij^T w_j`` is the mean
   of ``z_ij ~ N(g_ij, rho)`` in the augmented-variable model (fit with
-  ``fit_vfl(..., formulation="augmented", guide="amortized")``).
+  ``fit_vfl(..., formulation="augmented", guide="amortised")``).
 """
 
 from __future__ import annotations

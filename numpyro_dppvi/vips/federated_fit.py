@@ -21,7 +21,9 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
+from numpyro_dppvi.data import validate_clients
 from numpyro_dppvi.keys import resolve as resolve_key
+from numpyro_dppvi.vips.detect import detect_conjugate
 from numpyro_dppvi.vips.engine import is_conjugate_model
 from numpyro_dppvi.vips.federated import conjugate_client_delta, conjugate_server_update
 from numpyro_dppvi.vips.release import noise_coordinates
@@ -33,8 +35,6 @@ def _resolve_model(model, clients, detect_options):
         return model, [model.validate_data(tuple(np.asarray(a) for a in c)) for c in clients], None, None, None
     if not callable(model):
         raise TypeError("model must be a ConjugateModel or a NumPyro model function")
-    from numpyro_dppvi.vips.detect import detect_conjugate
-
     detections = [detect_conjugate(model, *c, **(detect_options or {})) for c in clients]
     conjugate = detections[0].model
     return (conjugate, [conjugate.validate_data(d.data) for d in detections], model, detections[0].site_map,
@@ -46,8 +46,6 @@ def fit_federated_vips(model, clients, *, privacy=None, rounds: int = 1, schedul
                        detect_options: dict | None = None) -> VIPSResult:
     """Federated (DP-)VIPS over ``clients`` (a list of data tuples). Returns a :class:`VIPSResult`
     whose ``privacy`` ledger has one row per client and whose ``history`` has one entry per round."""
-    from numpyro_dppvi.data import validate_clients
-
     if schedule not in ("synchronous", "sequential"):
         raise ValueError(f"federated VIPS runs schedule='synchronous' or 'sequential', got {schedule!r}")
     if not 0 < damping <= 1:

@@ -37,6 +37,7 @@ import numpy as np
 
 from numpyro_dppvi.keys import resolve as resolve_key
 from numpyro_dppvi.privacy import Privacy
+from numpyro_dppvi.vips.detect import detect_conjugate
 from numpyro_dppvi.vips.engine import (
     blend, is_conjugate_model, joint_sensitivity, scale_bounds, scale_ess, step_size)
 from numpyro_dppvi.vips.release import noise_coordinates, plan_release, release_ess
@@ -70,7 +71,7 @@ def _check_schedule(batch_size, iterations, tau0, kappa, n):
     if isinstance(batch_size, bool) or int(batch_size) != batch_size or not 1 <= batch_size <= n:
         raise ValueError(f"batch_size must be an integer in [1, {n}] (the number of rows), got {batch_size}.")
     if isinstance(iterations, bool) or int(iterations) != iterations or iterations < 1:
-        raise ValueError(f"iterations must be a positive integer, got {iterations}.")
+        raise ValueError(f"fit_vips: steps must be a positive integer, got {iterations}.")
     if not (float(tau0) >= 0 and math.isfinite(float(tau0))):
         raise ValueError(f"tau0 must be >= 0, got {tau0}.")
     if not 0.0 <= float(kappa) <= 1.0:
@@ -93,7 +94,8 @@ def _non_private_batch(n: int, batch_size: int):
     return sample
 
 
-def fit_vips(model, data, *, privacy=None, batch_size: int | None = None, iterations: int = 100,
+def fit_vips(model, data, *, privacy=None, batch_size: int | None = None, steps: int | None = None,
+             iterations: int | None = None,
              tau0: float = 1.0, kappa: float = 0.7, rng_key=None, detect_options: dict | None = None):
     """Fit a conjugate-exponential model by (private) stochastic variational Bayes (VIPS).
 
@@ -112,7 +114,7 @@ def fit_vips(model, data, *, privacy=None, batch_size: int | None = None, iterat
             at the sampler's rate. ``sampling`` chooses Poisson or fixed-size batches without
             replacement (the paper's setting, substitution relation).
         batch_size: expected batch size ``S`` (Poisson rate ``S/N``); default all rows.
-        iterations: number of VB steps ``T``.
+        steps: number of VB steps ``T`` (default 100; ``iterations`` is accepted, its earlier name).
         tau0, kappa: step size ``rho_t = (tau0 + t)^(-kappa)``, ``t = 0..T-1``; ``kappa = 0`` with
             a full batch is batch VB.
         rng_key: ``jax.random`` key (batches, noise, random initialisation). Leave it out for a
@@ -130,14 +132,15 @@ def fit_vips(model, data, *, privacy=None, batch_size: int | None = None, iterat
     if not is_conjugate_model(model):
         if not callable(model):
             raise TypeError("model must be a ConjugateModel or a NumPyro model function.")
-        from numpyro_dppvi.vips.detect import detect_conjugate
-
         detection = detect_conjugate(model, *_check_data(data), **(detect_options or {}))
         numpyro_model, site_map, observed = model, detection.site_map, detection.observed_site
         model, data = detection.model, detection.data
     data = model.validate_data(_check_data(data))
     n = int(data[0].shape[0])
     batch_size = n if batch_size is None else batch_size
+    if steps is not None and iterations is not None and steps != iterations:
+        raise ValueError(f"fit_vips: give steps (or its earlier name iterations), not both: {steps} vs {iterations}")
+    iterations = steps if steps is not None else (iterations if iterations is not None else 100)
     _check_schedule(batch_size, iterations, tau0, kappa, n)
     iterations = int(iterations)
     key_data, seed = resolve_key(rng_key)
@@ -182,7 +185,7 @@ def fit_vips(model, data, *, privacy=None, batch_size: int | None = None, iterat
 
     params = model.init_params(key_init)
     params, trace = run(params, jax.random.split(key_steps, iterations), data)
-    history = [{"iteration": t + 1, "rho": float(rho)} for t, rho in enumerate(np.asarray(trace["rho"]))]
+    history = [{"step": t + 1, "rho": float(rho)} for t, rho in enumerate(np.asarray(trace["rho"]))]
 
     ledger = None
     if release is not None:

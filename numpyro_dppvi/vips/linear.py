@@ -20,6 +20,7 @@ import numpy as np
 import numpyro.distributions as dist
 
 from numpyro_dppvi.vips.engine import ConjugateModelBase
+from numpyro_dppvi.privacy.mechanisms import project_psd
 
 
 def project_to_ball(x, radius):
@@ -143,7 +144,6 @@ class BayesianLinearRegression(_BoundedXY, ConjugateModelBase):
                 "precision": prior["precision"] + ess_total["xx"]}
 
     def postprocess_noisy_ess(self, ess_total):
-        from numpyro_dppvi.privacy.mechanisms import project_psd
         return {**ess_total, "xx": project_psd(ess_total["xx"], 0.0)}
 
     def validate_data(self, data):
@@ -225,7 +225,6 @@ class NormalGammaLinearRegression(_BoundedXY, ConjugateModelBase):
                 "c": prior["c"] + 0.5 * ess_total["y2_count"][0]}
 
     def postprocess_noisy_ess(self, ess_total):
-        from numpyro_dppvi.privacy.mechanisms import project_psd
         return {**ess_total, "xx": project_psd(ess_total["xx"], 0.0),
                 "y2_count": jnp.maximum(ess_total["y2_count"], 0.0)}
 

@@ -31,6 +31,7 @@ from numpyro_dppvi.vips.engine import ConjugateModelBase
 from numpyro_dppvi.vips.linear import (
     _BoundedXY, _prior_mean, _validate_xy, as_precision_matrix, gaussian_moments, project_to_ball)
 from numpyro_dppvi.vips.polya_gamma import PG_MEAN_MAX, polya_gamma_mean
+from numpyro_dppvi.privacy.mechanisms import project_psd
 
 
 class PolyaGammaLogisticRegression(_BoundedXY, ConjugateModelBase):
@@ -118,7 +119,6 @@ class PolyaGammaLogisticRegression(_BoundedXY, ConjugateModelBase):
                 "alpha_b": b0 + 0.5 * (mean @ mean + jnp.trace(cov))}
 
     def postprocess_noisy_ess(self, ess_total):
-        from numpyro_dppvi.privacy.mechanisms import project_psd
         return {**ess_total, "s2": project_psd(ess_total["s2"], 0.0)}
 
     def validate_data(self, data):

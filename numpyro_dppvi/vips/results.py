@@ -11,7 +11,7 @@ import numpy as np
 
 from numpyro_dppvi import checkpoint
 from numpyro_dppvi.privacy import NotPrivate, PrivacyLedger
-from numpyro_dppvi.results import Result
+from numpyro_dppvi.results import Result, load
 from numpyro_dppvi.vips.detect import SiteLayout
 from numpyro_dppvi.vips.engine import ConjugateModelBase, is_conjugate_model, model_from_config
 
@@ -30,6 +30,17 @@ def _jsonable(value):
     return array.tolist() if array.ndim else array.item()
 
 
+def _model_classes() -> dict:
+    """``{name: class}`` of the package's conjugate models (every subclass of ``ConjugateModelBase``)."""
+    found, todo = {}, [ConjugateModelBase]
+    while todo:
+        for sub in todo.pop().__subclasses__():
+            if sub.__module__.startswith("numpyro_dppvi."):
+                found[sub.__name__] = sub
+            todo.append(sub)
+    return found
+
+
 @dataclass
 class VIPSResult(Result):
     """Output of :func:`numpyro_dppvi.fit_vips` and of federated VIPS (the
@@ -40,7 +51,7 @@ class VIPSResult(Result):
         params: final global variational parameters (natural parameters and, where the model
             has them, hyperparameter posteriors); ``model.expected_natural_params(params)``
             gives ``n̄`` (Eq. 19).
-        history: one dict per iteration (``{"iteration", "rho"}``, the step size) or, federated, per
+        history: one dict per step (``{"step", "rho"}``, the step size) or, federated, per
             round (``{"round", "communications", "epsilon"}``). Nothing data-dependent and unnoised
             (the realised batch size, the number of clipped records) is kept: they would reveal a
             record (docs/privacy.md).
@@ -137,8 +148,6 @@ class VIPSResult(Result):
         """Read a fit written by :meth:`save` (the ledger is restored exactly). ``model``: the NumPyro
         model of a detected fit (for ``predict``), or the ``ConjugateModel`` itself; by default the
         model is rebuilt from the saved constructor arguments (package models only)."""
-        from numpyro_dppvi.results import load
-
         result = load(path, model, hmac_key)
         if not isinstance(result, cls):
             raise ValueError(f"{path} holds a {type(result).__name__}, not a {cls.__name__}")
@@ -146,12 +155,9 @@ class VIPSResult(Result):
 
     @classmethod
     def from_saved(cls, arrays, meta, model, path="the file") -> "VIPSResult":
-        from numpyro_dppvi import vips
-
         if meta.get("format") != _FORMAT:
             raise ValueError(f"{path} is not a saved VIPSResult (format {_FORMAT}).")
-        registry = {name: obj for name, obj in vars(vips).items()
-                    if isinstance(obj, type) and issubclass(obj, ConjugateModelBase)}
+        registry = _model_classes()
         numpyro_model = None
         if model is not None and is_conjugate_model(model):
             if type(model).__name__ != meta["model"]["class"]:

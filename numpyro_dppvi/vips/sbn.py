@@ -45,6 +45,7 @@ import numpy as np
 
 from numpyro_dppvi.vips.engine import ConjugateModelBase
 from numpyro_dppvi.vips.polya_gamma import PG_MEAN_MAX, polya_gamma_mean
+from numpyro_dppvi.privacy.mechanisms import project_psd
 
 
 def _augmented_second_moment(z_mean):
@@ -166,7 +167,6 @@ class SigmoidBeliefNet(ConjugateModelBase):
                 "b_eta": ess_total["z_count"][:k], "b_prec": self.prior_precision_b + count * xi}
 
     def postprocess_noisy_ess(self, ess_total):
-        from numpyro_dppvi.privacy.mechanisms import project_psd
         k = self.num_hidden
         count = jnp.maximum(ess_total["z_count"][k], 0.0)
         return {"z_count": ess_total["z_count"].at[k].set(count), "yz": ess_total["yz"],

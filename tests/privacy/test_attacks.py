@@ -155,7 +155,7 @@ def test_vips_history_no_longer_carries_the_clip_count_distinguisher(tmp_path):
     model = BayesianLinearRegression(2, noise_scale=1.0, feature_bound=1.0, target_bound=1.0)
     kwargs = dict(privacy=Privacy(noise_multiplier=1.0), batch_size=20, iterations=30)
     on_d, on_d_prime = dppvi.fit_vips(model, (x, y), **kwargs), dppvi.fit_vips(model, outlier, **kwargs)
-    assert all(set(h) == {"iteration", "rho"} for h in on_d.history + on_d_prime.history)
+    assert all(set(h) == {"step", "rho"} for h in on_d.history + on_d_prime.history)
     assert on_d.history == on_d_prime.history
     on_d.save(tmp_path / "v.npz")
     _, meta = checkpoint.load(tmp_path / "v.npz")

@@ -30,7 +30,7 @@ def _parties(clients, y, likelihood, formulation, guide, rho=0.7):
 
 
 @pytest.mark.parametrize("formulation", ["augmented", "power"])
-@pytest.mark.parametrize("guide", ["mean_field", "amortized"])
+@pytest.mark.parametrize("guide", ["mean_field", "amortised"])
 def test_message_gradients_equal_joint_gradient(gaussian_data, formulation, guide):
     """The gradients the parties assemble from messages (eq. 11-13, 15-17) equal the gradient of
     the same ELBO estimate computed centrally, for the same random draws (exact identity; the
@@ -92,7 +92,7 @@ def _guarded_split(x, y, sizes):
             for j, (a, b) in enumerate(zip(edges[:-1], edges[1:]))], seen
 
 
-@pytest.mark.parametrize("guide", ["mean_field", "amortized"])
+@pytest.mark.parametrize("guide", ["mean_field", "amortised"])
 def test_clients_only_see_their_own_columns(logistic_data, guide):
     x, y = logistic_data
     clients, seen = _guarded_split(x, y, [1, 3])
@@ -150,11 +150,11 @@ def test_amortized_parameter_count_does_not_grow_with_rows():
     for n in (500, 5000):
         x = rng.normal(size=(n, 4)).astype(np.float32)
         y = (rng.uniform(size=n) < 0.5).astype(np.float32)
-        for guide in ("amortized", "mean_field"):
+        for guide in ("amortised", "mean_field"):
             parties, server = _parties(make_split(x, [2, 2]), y, logistic_likelihood,
                                        "augmented", guide)
             counts[guide, n] = sum(tree_size(p.init(jax.random.key(0))) for p in parties)
-    assert counts["amortized", 500] == counts["amortized", 5000]
+    assert counts["amortised", 500] == counts["amortised", 5000]
     assert counts["mean_field", 5000] - counts["mean_field", 500] == 2 * 2 * 4500
 
 

@@ -96,7 +96,7 @@ def test_minibatch_svb_is_unbiased_around_the_exact_posterior(x64):
                       rng_key=jax.random.key(1))
     # kappa = 1, tau0 = 1: rho_t = 1/(t+1), so the final alpha is the running mean of the targets.
     assert abs(float(result.params["alpha"]) - (1.0 + y.sum())) < 3.0
-    assert all(set(h) == {"iteration", "rho"} for h in result.history)  # the realised batches stay private
+    assert all(set(h) == {"step", "rho"} for h in result.history)  # the realised batches stay private
 
 
 def test_to_arviz_and_samples_have_site_shapes():

@@ -50,7 +50,7 @@ def test_ledger_records_the_sampler_actually_used(sampling, neighbouring, accoun
     assert event.rate == pytest.approx(50 / 400)
     assert event.noise_multiplier == pytest.approx(event_nm)
     assert result.epsilon == pytest.approx(epsilon_of_events([event], 1e-5, neighbouring, accountant), rel=1e-9)
-    assert all(set(h) == {"iteration", "rho"} for h in result.history)  # no realised batch sizes
+    assert all(set(h) == {"step", "rho"} for h in result.history)  # no realised batch sizes
 
 
 def test_calibrated_noise_meets_the_budget():
