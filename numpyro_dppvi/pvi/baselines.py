@@ -10,11 +10,18 @@
   server combines them. ``prior="same"``: local prior ``p``, ``eta_q = sum_k eta_qk - (K - 1) eta_p``.
   ``prior="split"``: local prior ``p^(n_k / n)``, ``eta_q = sum_k eta_qk``.
   With ``privacy``: each client trains by DP-SGD (DESIGN §5.1) for ``local_steps`` steps, once.
+  The combination is post-processing of the clients' DP releases; it can be improper on a coordinate
+  the data barely inform (``K - 1`` prior precisions are subtracted from ``K`` noisy ones). Rule
+  ``invalid="prior"`` (default): a coordinate whose combined precision is below the prior's falls back
+  to the prior on that coordinate (a likelihood approximation cannot make ``q`` less certain than the
+  prior), and the fit counts and reports the coordinates (``history[0]["reset_to_prior"]``, a
+  warning). ``invalid="raise"``: ``q`` as combined, a ValueError if it is improper.
 """
 
 from __future__ import annotations
 
 import time
+import warnings
 
 import jax
 import jax.numpy as jnp
@@ -59,13 +66,17 @@ def fit_global_vi(model, clients, *, steps: int = 1000, steps_per_round: int = 1
 
 def fit_bcm(model, clients, *, prior: str = "same", local_steps: int = 1000, batch_size: int | None = 100,
             num_samples: int = 10, optimizer: optax.GradientTransformation | None = None, rng_key=None,
-            eval_data=None, privacy=None) -> DPPVIResult:
+            eval_data=None, privacy=None, invalid: str = "prior") -> DPPVIResult:
     """Bayesian committee machine in one round (``prior="same" | "split"``), optionally with DP-SGD training.
 
     ``rng_key=None`` draws the key from the operating system (see :func:`~numpyro_dppvi.fit_dppvi`).
+    ``invalid``: ``"prior"`` resets coordinates whose combined precision falls below the prior's to the
+    prior (counted in ``history[0]["reset_to_prior"]``, with a warning); ``"raise"`` raises instead.
     """
     if prior not in ("same", "split"):
         raise ValueError(f"fit_bcm: prior must be 'same' or 'split', got {prior!r}")
+    if invalid not in ("prior", "raise"):
+        raise ValueError(f"fit_bcm: invalid must be 'prior' or 'raise', got {invalid!r}")
     driver = DPPVI(model, method="pvi" if privacy is None else "dp_optimisation", schedule="synchronous",
                    optimizer=optimizer, local_steps=local_steps, batch_size=batch_size, num_samples=num_samples,
                    damping=1.0, privacy=privacy, rounds=1)
@@ -79,12 +90,31 @@ def fit_bcm(model, clients, *, prior: str = "same", local_steps: int = 1000, bat
     q_k = driver.local_posteriors(state, local_priors)
     t_k = factors.divide(q_k, local_priors)  # each client's factor
     q = factors.multiply(q0, factors.product(t_k))
-    factors.check_proper(q, "the BCM posterior (fit_bcm)", "lower `local_steps` or the optimizer's learning rate")
+    q, reset = reset_to_prior(q, q0, invalid)
     num_clients = len(sizes)
     entry = {"round": 1, "communications": num_clients, "participated": [True] * num_clients,
-             "seconds": time.perf_counter() - start}
+             "reset_to_prior": reset, "seconds": time.perf_counter() - start}
     if eval_data is not None:
         arrays = driver.adapter.validate_data(eval_data, "fit_bcm eval_data")
         entry.update(evaluate(driver.adapter, q, arrays, jax.random.fold_in(jax.random.wrap_key_data(state.key), 0x5EED)))
     return DPPVIResult(driver.adapter, q, [entry], method=f"bcm_{prior}", schedule=None, privacy=driver.ledger,
                        config=dict(driver.settings(), prior=prior), rounds=1)
+
+
+def reset_to_prior(q, prior, invalid: str = "prior"):
+    """``(q', count)``. ``invalid="prior"``: every coordinate whose precision ``-2 eta2`` is below the
+    prior's is replaced by the prior's coordinate and counted. ``invalid="raise"``: ``q`` unchanged,
+    a ValueError if it is improper. A non-finite ``q`` (a diverged local fit) raises under both rules:
+    resetting it would return the prior as a posterior."""
+    advice = "lower `local_steps` or the optimizer's learning rate"
+    if invalid == "raise" or not (bool(jnp.all(jnp.isfinite(q.eta1))) and bool(jnp.all(jnp.isfinite(q.eta2)))):
+        factors.check_proper(q, "the BCM posterior (fit_bcm)",
+                             advice + ("" if invalid == "prior" else ", or pass invalid='prior'"))
+        return q, 0
+    below = q.eta2 > prior.eta2
+    count = int(jnp.sum(below))
+    if count:
+        warnings.warn(f"fit_bcm: {count} of {below.size} coordinates of the combined posterior had a precision "
+                      "below the prior's (noisy or uninformative clients) and were reset to the prior "
+                      "(invalid='prior'; history[0]['reset_to_prior'] counts them)", stacklevel=3)
+    return factors.Gaussian(*(jnp.where(below, p, a) for a, p in zip(q, prior))), count
