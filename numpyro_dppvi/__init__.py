@@ -5,13 +5,13 @@ configuration and ledger, DP-PVI (``fit_dppvi``, ``DPPVI``) and its baselines, V
 and vertical federated learning (``fit_vfl``).
 """
 
-from . import datasets, factors, optim, privacy, vfl, vips
+from . import datasets, diagnostics, factors, optim, privacy, vfl, vips
 from .compilation_cache import enable_compilation_cache
 from .data import pad_clients, partition, partition_by, validate_clients
 from .fit import fit_dppvi
 from .model import ModelAdapter, model
 from .privacy import NotPrivate, Privacy, PrivacyLedger
-from .pvi import DPPVI, FitDiverged, PVIState, fit_bcm, fit_global_vi
+from .pvi import DPPVI, FitDiverged, NoValidUpdates, PVIState, fit_bcm, fit_global_vi
 from .results import DPPVIResult, Result, load
 from .vfl import VFLClient, VFLResult, fit_vfl
 from .vips import VIPSResult, fit_vips
@@ -19,9 +19,9 @@ from .vips import VIPSResult, fit_vips
 __version__ = "0.1.0"
 
 __all__ = [
-    "DPPVI", "DPPVIResult", "FitDiverged", "ModelAdapter", "NotPrivate", "PVIState", "Privacy", "PrivacyLedger",
+    "DPPVI", "DPPVIResult", "FitDiverged", "NoValidUpdates", "ModelAdapter", "NotPrivate", "PVIState", "Privacy", "PrivacyLedger",
     "Result", "VFLClient", "VFLResult", "VIPSResult",
-    "datasets", "enable_compilation_cache", "factors", "fit_bcm", "fit_dppvi", "fit_global_vi", "fit_vfl",
+    "datasets", "diagnostics", "enable_compilation_cache", "factors", "fit_bcm", "fit_dppvi", "fit_global_vi", "fit_vfl",
     "fit_vips", "load", "model", "optim", "pad_clients", "partition", "partition_by", "privacy",
     "validate_clients", "vfl", "vips",
 ]

@@ -99,14 +99,17 @@ def demo_methods(rounds: int, epsilon: float = 1.0, delta: float = 1e-5):
 
 
 def demo(args) -> int:
+    import warnings
+
     import jax
 
     from . import datasets
     from .data import partition
+    from .diagnostics import ClientUpdateWarning, ConvergenceWarning, NoiseWarning
 
     x, y, x_test, y_test = datasets.load_adult(split="train_test")
     model = logistic_model()
-    rows = []
+    rows, notes = [], []
     print(f"UCI Adult: {x.shape[0]} training rows, {x_test.shape[0]} test rows, {x.shape[1]} features; "
           f"10 clients; logistic regression with N(0, 1) priors; private methods at epsilon={args.epsilon}, "
           "delta=1e-5 (add/remove neighbours, Poisson sampling)\n")
@@ -119,17 +122,43 @@ def demo(args) -> int:
             # the progress bars below are the library's (labelled "<method>/<schedule>" only): say whose they are
             print(demo_header(len(rows) + 1, total, split, name), flush=True)
             start = time.perf_counter()
-            # no seed: every fit draws its key from the OS (the private fits' guarantee needs a secret key)
-            result = fit(model, clients, (x_test, y_test), None if args.seed is None else jax.random.key(args.seed))
-            seconds = time.perf_counter() - start
-            last = result.history[-1]
-            eps = f"{result.privacy.epsilon:.3f}" if result.is_private else "-"
-            rows.append((split, name, last["accuracy"], last["log_lik"], last["communications"], eps, seconds))
-    header = f"{'split':<11} {'method':<26} {'accuracy':>8} {'log-lik':>8} {'comms':>7} {'epsilon':>8} {'seconds':>8}"
+            with warnings.catch_warnings(record=True) as caught:  # reported in the table and its notes
+                for category in (ConvergenceWarning, NoiseWarning, ClientUpdateWarning):
+                    warnings.simplefilter("always", category)
+                try:
+                    # no seed: every fit draws its key from the OS (the private fits' guarantee needs a secret key)
+                    result = fit(model, clients, (x_test, y_test),
+                                 None if args.seed is None else jax.random.key(args.seed))
+                except (FloatingPointError, ValueError) as exc:  # an invalid posterior: reported, not hidden
+                    result = None
+                    notes.append(f"{split} / {name}: failed: {exc}")
+            for w in caught:
+                if issubclass(w.category, (ConvergenceWarning, NoiseWarning, ClientUpdateWarning)):
+                    notes.append(f"{split} / {name}: {w.category.__name__}: {w.message}")
+                else:
+                    warnings.warn_explicit(w.message, w.category, w.filename, w.lineno)
+            rows.append((split, name, result, time.perf_counter() - start))
+    header = (f"{'split':<11} {'method':<26} {'accuracy':>8} {'log-lik':>8} {'comms':>7} {'epsilon':>8} "
+              f"{'converged':>9} {'seconds':>8}")
     print("\n" + header + "\n" + "-" * len(header))
-    for split, name, acc, ll, comms, eps, sec in rows:
-        print(f"{split:<11} {name:<26} {acc:>8.4f} {ll:>8.4f} {comms:>7d} {eps:>8} {sec:>8.1f}")
-    return 0
+    for split, name, result, sec in rows:
+        print(demo_row(split, name, result, sec))
+    if notes:
+        print("\nNotes (convergence is judged in posterior-sd units, see docs/guide.md section 6):")
+        for note in notes:
+            print(f"- {note}")
+    return 0  # a fit that failed is a result of the demo (its row and note say why), not an error of the command
+
+
+def demo_row(split: str, name: str, result, seconds: float) -> str:
+    """One line of the demo table (``failed`` when the fit raised; see the notes)."""
+    if result is None:
+        return f"{split:<11} {name:<26} {'failed':>8} {'':>8} {'':>7} {'':>8} {'':>9} {seconds:>8.1f}"
+    last = result.history[-1]
+    eps = f"{result.privacy.epsilon:.3f}" if result.is_private else "-"
+    converged = {True: "yes", False: "no", None: "?"}[(result.convergence or {}).get("converged")]
+    return (f"{split:<11} {name:<26} {last['accuracy']:>8.4f} {last['log_lik']:>8.4f} "
+            f"{last['communications']:>7d} {eps:>8} {converged:>9} {seconds:>8.1f}")
 
 
 def demo_header(index: int, total: int, split: str, method: str) -> str:

@@ -135,13 +135,17 @@ class DPPVIResult(Result):
     communications, participation, seconds, held-out metrics, counts of invalid or failed updates),
     ``privacy`` (the :class:`~numpyro_dppvi.privacy.PrivacyLedger`, or
     :class:`~numpyro_dppvi.privacy.NotPrivate`), ``method``, ``schedule``, ``config`` (the
-    data-independent settings), ``rounds`` (rounds completed).
+    data-independent settings), ``rounds`` (rounds completed), ``convergence`` (how far ``q`` was
+    from its fixed point when the fit stopped, :func:`numpyro_dppvi.diagnostics.convergence`; the
+    history's ``change`` is the largest move of one round in posterior-sd units) and, for a fit
+    just run, ``updates`` (per client: rounds taken part, valid updates; not saved).
     """
 
     kind = "DPPVIResult"
 
     def __init__(self, adapter: ModelAdapter, q: factors.Gaussian, history: list, method: str,
-                 schedule: str | None, privacy=None, config: dict | None = None, rounds: int = 0):
+                 schedule: str | None, privacy=None, config: dict | None = None, rounds: int = 0,
+                 convergence: dict | None = None):
         self.adapter = adapter
         self.q = factors.Gaussian(*(np.asarray(x) for x in q))
         self.history = history
@@ -150,6 +154,19 @@ class DPPVIResult(Result):
         self.privacy = NotPrivate() if privacy is None else privacy
         self.config = dict(config or {})
         self.rounds = int(rounds)
+        self.convergence = convergence
+        self.updates = None
+
+    def summary(self, num_samples: int = 1000, rng_key=None, **kwargs):
+        """``arviz.summary`` of :meth:`to_arviz`, with the fit's convergence (``result.convergence``)
+        in the table's ``attrs`` and, when it is known, a ``converged`` column (the same for every row:
+        mean-field PVI converges as a whole)."""
+        table = super().summary(num_samples, rng_key, **kwargs)
+        if self.convergence is not None:
+            table.attrs["convergence"] = dict(self.convergence)
+            if self.convergence.get("converged") is not None:
+                table["converged"] = bool(self.convergence["converged"])
+        return table
 
     @property
     def model(self):
@@ -211,6 +228,7 @@ class DPPVIResult(Result):
         return {
             "kind": self.kind, "format": RESULT_FORMAT, "method": self.method, "schedule": self.schedule,
             "history": self.history, "config": self.config, "rounds": self.rounds,
+            "convergence": self.convergence,
             "privacy": self.privacy.to_dict() if self.is_private else None,
             "data_shapes": [list(a.shape[1:]) for a in self.adapter.example_row],
             "data_dtypes": [str(a.dtype) for a in self.adapter.example_row],
@@ -246,4 +264,4 @@ class DPPVIResult(Result):
         q = factors.Gaussian(arrays["['q'].eta1"], arrays["['q'].eta2"])
         privacy = None if meta.get("privacy") is None else PrivacyLedger.from_dict(meta["privacy"])
         return cls(adapter, q, meta["history"], meta["method"], meta["schedule"], privacy, meta["config"],
-                   meta.get("rounds", len(meta["history"])))
+                   meta.get("rounds", len(meta["history"])), meta.get("convergence"))

@@ -27,7 +27,9 @@ autodp               both relations      add_remove only        substitute only,
 
 from __future__ import annotations
 
+import contextlib
 import functools
+import logging
 import math
 from typing import Iterable, Sequence
 
@@ -185,7 +187,32 @@ def _gaussian_pld(noise_multiplier, neighbouring, discretization):
         neighboring_relation=_dp_accounting_relation(neighbouring))
 
 
+class _DropUnconvergedOrders(logging.Filter):
+    """Drops dp_accounting's "failed to converge ... Excluding this order" warnings (one per order and
+    event, dozens per call for large noise multipliers at high sampling rates). Excluding an order is
+    sound: epsilon is a minimum over orders, and a minimum over fewer orders can only be larger."""
+
+    def filter(self, record: logging.LogRecord) -> bool:
+        return "failed to converge" not in record.getMessage()
+
+
+@contextlib.contextmanager
+def _quiet_rdp_orders():
+    absl_logger = logging.getLogger("absl")
+    dropper = _DropUnconvergedOrders()
+    absl_logger.addFilter(dropper)
+    try:
+        yield
+    finally:
+        absl_logger.removeFilter(dropper)
+
+
 def _rdp_epsilon(events, delta, neighbouring) -> float:
+    with _quiet_rdp_orders():
+        return _rdp_epsilon_of(events, delta, neighbouring)
+
+
+def _rdp_epsilon_of(events, delta, neighbouring) -> float:
     import dp_accounting
     from dp_accounting import rdp
 

@@ -1,7 +1,7 @@
 """Partitioned variational inference: local rules, server schedules, baselines, the driver."""
 
 from .baselines import fit_bcm, fit_global_vi
-from .fit import DPPVI, FitDiverged, fit_dppvi
+from .fit import DPPVI, FitDiverged, NoValidUpdates, fit_dppvi
 from .server import PVIState
 
-__all__ = ["DPPVI", "FitDiverged", "PVIState", "fit_bcm", "fit_dppvi", "fit_global_vi"]
+__all__ = ["DPPVI", "FitDiverged", "NoValidUpdates", "PVIState", "fit_bcm", "fit_dppvi", "fit_global_vi"]

@@ -10,10 +10,12 @@ published, and writes the state only to a private checkpoint (``checkpoint=path`
 
 from __future__ import annotations
 
+import collections
 import dataclasses
 import functools
 import json
 import time
+import warnings
 from dataclasses import dataclass
 from typing import Any, Callable, Sequence
 
@@ -24,7 +26,7 @@ import optax
 from tqdm.auto import tqdm
 
 from .. import checkpoint as checkpoints
-from .. import factors, keys
+from .. import diagnostics, factors, keys
 from ..cache import cached, shapes
 from ..data import pad_clients, validate_clients
 from ..evaluation import evaluate
@@ -69,6 +71,22 @@ ADVICE = {
     "DPPVI": "lower `damping`, the optimizer's learning rate or `local_steps`",
     "fit_global_vi": "lower the optimizer's learning rate or `steps_per_round`",
     "fit_bcm": "lower `local_steps` or the optimizer's learning rate",
+}
+#: What to change when q is still drifting at the end of a fit.
+CONVERGENCE_ADVICE = {
+    "fit_dppvi": "Run more rounds (resume=checkpoint continues a fit), or use schedule='sequential' or a larger "
+                 "`damping` for faster rounds",
+    "DPPVI": "Run more rounds, or use schedule='sequential' or a larger `damping`",
+    "fit_global_vi": "Run more `steps` or raise the optimizer's learning rate",
+    "fit_bcm": "Raise `local_steps`",
+}
+#: What to change when q oscillates or jitters from round to round at the end of a non-private fit.
+JITTER_ADVICE = {
+    "fit_dppvi": "Use a smaller `damping` (synchronous rounds over M clients: about 1/M) or schedule='sequential', "
+                 "and more `local_steps` or `num_samples` for less Monte Carlo noise",
+    "DPPVI": "Use a smaller `damping` or schedule='sequential', and more `local_steps` or `num_samples`",
+    "fit_global_vi": "Lower the optimizer's learning rate or raise `num_samples`",
+    "fit_bcm": "Raise `local_steps` or `num_samples`",
 }
 #: Settings a resumed fit must share with its checkpoint (the privacy ones are checked against the
 #: stored ledger too): any change would make the stored ledger count the wrong releases.
@@ -174,6 +192,14 @@ def model_adapter(model, clients) -> ModelAdapter:
     rows = trace_rows(clients)
     key = ("adapter", model, shapes(tuple(a[:1] for a in rows)), getattr(model, "_dppvi_privacy_plate", None))
     return cached(key, lambda: ModelAdapter(model, rows))
+
+
+class NoValidUpdates(FloatingPointError):
+    """No client produced a valid update in the whole fit: ``q`` is still the prior (``result``)."""
+
+    def __init__(self, message: str, result: DPPVIResult):
+        super().__init__(message)
+        self.result = result
 
 
 class FitDiverged(FloatingPointError):
@@ -342,6 +368,8 @@ class DPPVI:
                 self.plan = client_level_plan(p, self.num_clients, self.planned_rounds, self.client_rate, dimension)
             self.rule = NonPrivate(a.log_lik_rows, a.dim, self.optimizer, self.local_steps, self.batch_size,
                                    self.num_samples)
+        if self.plan is not None:
+            self._warn_if_noise_swamps()
         self.server_step = (
             ServerFactorStep(a.server_log_density, tuple(bool(b) for b in np.asarray(a.server_mask)), self.optimizer,
                              self.server_steps, self.num_samples)
@@ -353,6 +381,61 @@ class DPPVI:
         self._program = round_program(self.spec)
         self._server_noise_std = jnp.asarray(
             self.plan.noise_std(0) if self.plan is not None and self.plan.kind == "client" else 0.0, jnp.float32)
+
+    def _signal_terms(self, plan) -> np.ndarray:
+        """Per client: clipped contributions summed in one release (see :func:`diagnostics.noise_to_signal`)."""
+        if plan.kind == "dp_sgd":
+            return plan.rates * self.public_sizes
+        if plan.kind == "shard_update":
+            return np.asarray(self.num_shards, np.float64)
+        return np.full(self.num_clients, self.client_rate * self.num_clients)
+
+    def _noise_to_signal(self, plan) -> np.ndarray:
+        noise = np.array([plan.noise_std(m) for m in range(self.num_clients)])
+        return diagnostics.noise_to_signal(noise, plan.dimension, self._signal_terms(plan), self.privacy.clip)
+
+    def _warn_if_noise_swamps(self) -> None:
+        """Warn (:class:`~numpyro_dppvi.diagnostics.NoiseWarning`) before fitting when one release's noise
+        is larger than any signal it can carry, with settings that would bring it to half of that."""
+        ratio = self._noise_to_signal(self.plan)
+        if float(ratio.max()) <= diagnostics.NOISE_SWAMPS:
+            return
+        worst = int(np.argmax(ratio))
+        what = {"dp_sgd": f"a batch of {self.plan.rates[worst] * self.public_sizes[worst]:.0f} clipped gradients",
+                "shard_update": f"{self._signal_terms(self.plan)[worst]:.0f} clipped shard change(s)",
+                "client": "the clipped client changes"}[self.plan.kind]
+        warnings.warn(
+            f"{self.caller}: the calibrated noise swamps the signal: noise multiplier "
+            f"{self.plan.noise_multipliers[worst]:.3g}, so one release's noise has norm {ratio[worst]:.2g} times "
+            f"the largest norm of {what} (client {worst}, {self.plan.dimension} noise coordinates). "
+            f"{self._noise_advice()}", diagnostics.NoiseWarning, stacklevel=4)
+
+    def _noise_advice(self) -> str:
+        """Fewer releases for the same budget (calibrated noise only): the first halving of the local steps
+        (then of the rounds) that brings every client's ratio to ``NOISE_SWAMPS / 2``."""
+        p = self.privacy
+        if p.epsilon is None:
+            return "A smaller noise_multiplier (it costs more epsilon), a larger batch or more data per client would help."
+        steps, rounds = self.plan.steps_per_participation, self.planned_rounds or 1
+        for _ in range(8):
+            if steps > 1:
+                steps = max(steps // 2, 1)
+            elif rounds > 1:
+                rounds = max(rounds // 2, 1)
+            else:
+                break
+            trial = dataclasses.replace(self.plan, steps_per_participation=steps, noise_multipliers=None)
+            trial.calibrate(rounds)
+            if float(self._noise_to_signal(trial).max()) <= diagnostics.NOISE_SWAMPS / 2:
+                if self.caller == "fit_global_vi":
+                    fewer = f"steps={rounds * steps} with steps_per_round={steps}"
+                elif self.plan.kind == "dp_sgd":
+                    fewer = f"rounds={rounds} with local_steps={steps}"
+                else:
+                    fewer = f"rounds={rounds}"
+                return (f"For epsilon={p.epsilon:g}, {fewer} would bring it to half the signal; more data per "
+                        "client or a larger epsilon would too.")
+        return f"No number of rounds brings it below the signal at epsilon={p.epsilon:g}: use a larger epsilon or more data per client."
 
     def _adaptive_clip_state(self) -> dict:
         """Per-client adaptive clipping state, starting at ``Privacy.clip`` (stacked over clients)."""
@@ -476,7 +559,8 @@ class DPPVI:
 
     def _result(self, state: PVIState, history: list) -> DPPVIResult:
         return DPPVIResult(self.adapter, state.q, history, method=self.method, schedule=self.schedule,
-                           privacy=self.ledger, config=self.settings(), rounds=int(state.round))
+                           privacy=self.ledger, config=self.settings(), rounds=int(state.round),
+                           convergence=getattr(self, "convergence", None))
 
     def _public_entry(self, state, metrics, seconds) -> tuple[dict, dict]:
         """Split one round's record into what may be published and what stays in the private checkpoint."""
@@ -491,7 +575,16 @@ class DPPVI:
         if metrics["stopped"]:
             entry["stopped"] = metrics["stopped"]
         if "invalid" in metrics:
-            entry["invalid_updates"] = int(np.sum(np.asarray(metrics["invalid"])))
+            invalid = np.asarray(metrics["invalid"])
+            entry["invalid_updates"] = int(np.sum(invalid))
+            if self.invalid == "reject" and invalid.any():  # whose noisy update was not applied
+                if invalid.ndim == 0:  # one aggregate (trusted aggregator): nobody's
+                    who = np.flatnonzero(np.asarray(metrics["participated"]))
+                elif "order" in metrics:  # one flag per arrival
+                    who = np.unique(np.asarray(metrics["order"])[invalid])
+                else:
+                    who = np.flatnonzero(invalid)
+                (private if client_level else entry)["invalid_clients"] = who.tolist()
         if metrics["rejected_round"]:
             entry["rejected_round"] = True
         failed = np.flatnonzero(np.asarray(metrics["failed"])).tolist()
@@ -540,6 +633,8 @@ class DPPVI:
         eval_arrays = None if eval_data is None else self.adapter.validate_data(eval_data, "eval_data")
         eval_key = jax.random.fold_in(jax.random.wrap_key_data(state.key), 0x5EED)
         limits = self.limits(state, rounds)
+        trajectory = collections.deque([diagnostics.unconstrained_coordinates(state.q)],
+                                       maxlen=2 * diagnostics.WINDOW + 1)
         iterator = range(int(rounds))
         if progress:
             iterator = tqdm(iterator, desc=f"{self.method}/{self.schedule}", unit="round")
@@ -551,6 +646,8 @@ class DPPVI:
                 raise FitDiverged(str(exc), self._result(state, history)) from exc
             jax.block_until_ready(state.q)
             entry, private = self._public_entry(state, metrics, time.perf_counter() - start)
+            trajectory.append(diagnostics.unconstrained_coordinates(state.q))
+            entry["change"] = diagnostics.convergence(list(trajectory)[-2:])["change"]
             if eval_arrays is not None:
                 entry.update(evaluate(self.adapter, state.q, eval_arrays, eval_key))
             if track_epsilon and self.ledger is not None:
@@ -561,7 +658,47 @@ class DPPVI:
                 self.save_checkpoint(checkpoint, state, history, private_history, hmac_key)
             if callback is not None:
                 callback(state, entry)
-        return self._result(state, history)
+        self.convergence = diagnostics.convergence(
+            list(trajectory), max_jitter=diagnostics.MAX_JITTER_SD if self.plan is None else None)
+        result = self._result(state, history)
+        self._check_updates(result, history, private_history)
+        if rounds:
+            diagnostics.warn_if_unconverged(self.convergence, self.caller, CONVERGENCE_ADVICE[self.caller],
+                                            JITTER_ADVICE[self.caller])
+        return result
+
+    def _check_updates(self, result: DPPVIResult, history: list, private_history: list) -> None:
+        """Raise :class:`NoValidUpdates` when no client ever produced a valid update (``q`` is the
+        prior), warn (:class:`~numpyro_dppvi.diagnostics.ClientUpdateWarning`) naming the clients that
+        took part but never updated; both are recorded in ``result.updates`` (per client: rounds taken
+        part, valid updates)."""
+        taken, valid = np.zeros(self.num_clients, int), np.zeros(self.num_clients, int)
+        for entry, private in zip(history, private_history):
+            part = entry.get("participated", private.get("participated"))
+            if part is None:
+                continue
+            part = np.asarray(part) > 0
+            ok = part.copy()
+            ok[entry.get("failed", [])] = False
+            if entry.get("rejected_round"):
+                ok[:] = False
+            ok[entry.get("invalid_clients", private.get("invalid_clients", []))] = False
+            taken += part
+            valid += ok
+        result.updates = {"taken_part": taken.tolist(), "valid": valid.tolist()}
+        never = np.flatnonzero((taken > 0) & (valid == 0)).tolist()
+        if never and len(never) == int(np.sum(taken > 0)):
+            count = "" if self.privacy_unit == "client" else f"{int(taken.sum())} update(s), "
+            raise NoValidUpdates(
+                f"{self.caller}: no client produced a valid update in {len(history)} round(s) ({count}every one "
+                "non-finite or rejected), so q is still the prior. The local objective is "
+                "probably non-finite where the prior puts mass (e.g. a gradient that overflows or a log of a "
+                f"negative number); check the model at prior draws, or {ADVICE[self.caller]}. err.result holds "
+                "the unrefined result.", result)
+        if never:
+            warnings.warn(f"{self.caller}: client(s) {never[:20]} took part but never produced a valid update "
+                          "(non-finite or rejected every time): their data is not in q. result.updates has the "
+                          f"counts; {ADVICE[self.caller]}.", diagnostics.ClientUpdateWarning, stacklevel=3)
 
     def resume(self, path, clients, rounds: int, hmac_key: bytes | None = None, rng_key=None,
                **run_options) -> DPPVIResult:

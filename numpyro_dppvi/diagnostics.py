@@ -1,0 +1,152 @@
+"""Fit diagnostics: how far a fit stopped from its fixed point, whether every client ever updated,
+and whether the calibrated noise leaves a signal to learn from.
+
+Convergence is measured on the unconstrained mean-field ``q = N(mu, diag(s^2))`` in posterior-sd
+units. Round ``t`` moves coordinate ``i`` by
+
+    d_{t,i} = (mu_{t,i} - mu_{t-1,i}) / s_{T,i}      (means)
+    d_{t,i} = log s_{t,i} - log s_{t-1,i}            (log scales)
+
+(the history's ``change`` is ``max_i |d_{t,i}|``). A fit with Monte Carlo local steps, or noise,
+never stops moving, so a small change alone proves nothing and a large one may be jitter. Over the
+last ``k`` rounds a coordinate *drifts* when its mean step ``m_i`` is consistently signed,
+``|m_i| > t * sd(d_i) / sqrt(k)`` with ``t`` the two-sided Student-t quantile at level
+``0.05 / (2D)`` with ``k - 1`` degrees of freedom (a t-test per coordinate, Bonferroni-corrected over
+the ``2D`` coordinates so that a fit whose steps are independent noise, e.g. the random walk of a
+noisy DP fit, is flagged with probability at most 5%; jitter about a fixed point is anti-correlated
+and passes less often still; a steady drift has a small ``sd`` and passes). For a drifting coordinate the rate ``r_i`` is the ratio of its mean
+steps over the last two windows, ``(m_i / m'_i)^(1/k)``; if the steps shrink geometrically the last
+one is ``c_i = k |m_i| / sum_{j<k} r_i^-j`` and the remaining distance ``c_i r_i / (1 - r_i)``
+(infinite for ``r_i >= 1`` or a change of sign between the windows: the drift is not shrinking). The fit is *converged* when no coordinate's remaining distance exceeds
+:data:`CONVERGED_SD`. With a single window (fewer than ``2k`` rounds) the remaining distance of a
+drifting coordinate is only known to be at least ``|m_i|``: the fit is not converged when that
+exceeds :data:`CONVERGED_SD`, undetermined (``None``) otherwise.
+"""
+
+from __future__ import annotations
+
+import math
+import warnings
+
+import numpy as np
+from scipy import stats
+
+from . import factors
+
+#: Largest estimated remaining movement (posterior sd) of any coordinate for a fit called converged.
+CONVERGED_SD = 0.1
+#: Largest sd of a non-private fit's round-to-round steps (posterior sd) for a fit called converged:
+#: above it the final ``q`` is one point of an oscillation or of Monte Carlo noise that large.
+MAX_JITTER_SD = 0.25
+#: Noise-to-signal ratio of one release above which the noise is said to swamp the signal.
+NOISE_SWAMPS = 1.0
+#: Rounds per window of the drift test (two windows are compared for the rate).
+WINDOW = 10
+#: Family-wise false-alarm rate of the drift test over all coordinates.
+FALSE_ALARM = 0.05
+
+
+class NoiseWarning(UserWarning):
+    """The calibrated noise of a private fit is larger than any signal a release can carry."""
+
+
+class ConvergenceWarning(UserWarning):
+    """The fit stopped while ``q`` was still drifting."""
+
+
+class ClientUpdateWarning(UserWarning):
+    """Some client never produced a valid (finite, proper) update: its data is not in ``q``."""
+
+
+def unconstrained_coordinates(q: factors.Gaussian) -> tuple[np.ndarray, np.ndarray]:
+    """``(mu, log s)`` of ``q`` as float64 arrays."""
+    loc, scale = factors.to_loc_scale(q)
+    return np.asarray(loc, np.float64), np.log(np.asarray(scale, np.float64))
+
+
+def steps_in_sd(trajectory: list) -> np.ndarray:
+    """``[T-1, 2D]`` signed steps ``d_t`` of a trajectory of ``(mu, log s)`` pairs (module docstring),
+    means scaled by the last round's ``s``."""
+    locs = np.stack([mu for mu, _ in trajectory])
+    log_scales = np.stack([ls for _, ls in trajectory])
+    scale = np.exp(log_scales[-1])
+    return np.concatenate([np.diff(locs, axis=0) / scale, np.diff(log_scales, axis=0)], axis=1)
+
+
+def change(q_old: factors.Gaussian, q_new: factors.Gaussian) -> float:
+    """``max_i |d_i|`` of one round (module docstring): the history's ``change``."""
+    return float(np.max(np.abs(steps_in_sd([unconstrained_coordinates(q_old), unconstrained_coordinates(q_new)])),
+                        initial=0.0))
+
+
+def convergence(trajectory: list, window: int = WINDOW, max_jitter: float | None = None) -> dict:
+    """Convergence summary of the last ``2 * window + 1`` states ``(mu, log s)`` (fewer: fewer checks).
+
+    Returns ``{"rounds_checked": rounds seen, "change": last max step, "jitter": the largest sd of a
+    coordinate's steps over the window (Monte Carlo or privacy noise), "drifting": number of drifting
+    coordinates, "rate": the slowest drifting rate, "distance": largest remaining distance (sd),
+    "converged": bool, or None when fewer than 3 rounds were seen, "oscillating": jitter above
+    ``max_jitter``}``. ``max_jitter`` (non-private fits: :data:`MAX_JITTER_SD`; ``None`` for noisy
+    fits, whose steps carry the privacy noise): a fit whose steps jitter more is not converged.
+    """
+    out = {"rounds_checked": len(trajectory) - 1, "change": None, "jitter": None, "oscillating": False, "drifting": 0, "rate": None, "distance": None,
+           "converged": None}
+    if len(trajectory) < 2:
+        return out
+    d = steps_in_sd(trajectory)
+    out["change"] = float(np.max(np.abs(d[-1])))
+    k = min(window, len(d))
+    if k < 3:
+        return out
+    recent = d[-k:]
+    mean = recent.mean(0)
+    spread = recent.std(0, ddof=1)
+    out["jitter"] = float(np.max(spread))
+    t = stats.t.ppf(1.0 - FALSE_ALARM / (2.0 * d.shape[1]), k - 1)
+    drifting = np.abs(mean) > t * spread / math.sqrt(k)
+    out["drifting"] = int(drifting.sum())
+    if len(d) >= 2 * k:
+        older = d[-2 * k:-k].mean(0)
+        same_sign = np.sign(older) == np.sign(mean)
+        with np.errstate(divide="ignore", invalid="ignore"):
+            rate = np.where(same_sign, np.abs(mean / older) ** (1.0 / k), np.inf)
+            last = np.abs(mean) * k / np.sum(rate[None, :] ** -np.arange(k)[:, None], axis=0)
+            remaining = np.where(rate < 1.0, last * rate / (1.0 - rate), np.inf)
+        distance = np.where(drifting, remaining, 0.0)
+    else:  # one window: no rate; a drifting coordinate has at least one more step to go
+        rate = np.full(d.shape[1], np.nan)
+        distance = np.where(drifting, np.abs(mean), 0.0)
+    out["distance"] = float(np.max(distance))
+    out["rate"] = float(np.nanmax(np.where(drifting, rate, 0.0))) if drifting.any() and len(d) >= 2 * k else None
+    undetermined = drifting.any() and len(d) < 2 * k and out["distance"] <= CONVERGED_SD
+    out["converged"] = None if undetermined else bool(out["distance"] <= CONVERGED_SD)
+    if max_jitter is not None and out["jitter"] is not None and out["jitter"] > max_jitter:
+        out["oscillating"], out["converged"] = True, False
+    return out
+
+
+def warn_if_unconverged(summary: dict, caller: str, advice: str, jitter_advice: str) -> None:
+    if summary.get("converged") is not False:
+        return
+    if summary["drifting"]:
+        distance = summary["distance"]
+        far = ("the steps are not shrinking" if not math.isfinite(distance)
+               else f"at the current rate about {distance:.2g} posterior sd remain")
+        message = (f"q was still drifting when the fit stopped ({summary['drifting']} coordinate(s) moving "
+                   f"steadily; {far}; last change {summary['change']:.2g} sd). {advice}")
+    else:
+        message = (f"q still jumps by about {summary['jitter']:.2g} posterior sd from round to round (an "
+                   f"oscillation, or noisy local steps), so the final q is one point of that. {jitter_advice}")
+    warnings.warn(f"{caller}: {message}. result.convergence has the details.", ConvergenceWarning, stacklevel=3)
+
+
+def noise_to_signal(noise_std: np.ndarray, dimension: int, terms: np.ndarray, clip: float) -> np.ndarray:
+    """Per client: the expected norm of one release's noise over the largest norm its signal can have,
+
+        ``sqrt(dimension) * noise_std / (terms * clip)``,
+
+    ``terms`` being the number of clipped contributions summed in one release (the expected batch of
+    DP optimisation, the shards of update perturbation, the expected number of clients of
+    client-level DP). Above :data:`NOISE_SWAMPS`, even perfectly aligned contributions are smaller
+    than the noise."""
+    return math.sqrt(dimension) * np.asarray(noise_std, np.float64) / (np.asarray(terms, np.float64) * clip)

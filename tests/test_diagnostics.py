@@ -1,0 +1,168 @@
+"""Fit diagnostics: convergence in the history and the summary, fits in which no client updated,
+the noise-swamps-signal warning, and quiet RDP accounting (issue 15, items 2, 4 and 5)."""
+
+from __future__ import annotations
+
+import logging
+import warnings
+
+import jax
+import numpy as np
+import numpyro
+import numpyro.distributions as dist
+import pytest
+
+import numpyro_dppvi as dppvi
+from numpyro_dppvi import diagnostics
+from numpyro_dppvi.privacy import backends
+from numpyro_dppvi.privacy.events import GaussianEvent
+
+
+def trajectory_of(locs, log_scales):
+    return [(np.asarray(m, float), np.asarray(s, float)) for m, s in zip(locs, log_scales)]
+
+
+def test_geometric_drift_distance_is_exact():
+    """Steps ``c r^t`` on one coordinate: the rate and the remaining distance ``c_T r / (1 - r)`` are
+    recovered exactly (no noise, so only float error)."""
+    r, c0, T = 0.9, 0.5, 30
+    steps = c0 * r ** np.arange(T)
+    locs = np.concatenate([[0.0], np.cumsum(steps)])[:, None]
+    summary = diagnostics.convergence(trajectory_of(locs, np.zeros_like(locs))[-21:])
+    assert summary["rate"] == pytest.approx(r, rel=1e-9)
+    assert summary["distance"] == pytest.approx(steps[-1] * r / (1 - r), rel=1e-9)
+    assert summary["converged"] is False  # 0.5 * 0.9^29 * 9 = 0.21 sd > 0.1
+    assert summary["drifting"] == 1
+
+
+def test_independent_noise_rarely_flagged():
+    """Steps that are independent N(0, 0.3^2) on 50 coordinates (the random walk of a noisy fit) are
+    flagged as drifting with probability at most FALSE_ALARM = 5% (Bonferroni). Over 200 seeded
+    trials the count is Binomial(200, p <= 0.05): mean <= 10, sd 3.1; 20 is three sd above."""
+    rng = np.random.default_rng(0)
+    flagged = 0
+    for _ in range(200):
+        locs = np.cumsum(rng.normal(0.0, 0.3, size=(21, 50)), axis=0)
+        summary = diagnostics.convergence(trajectory_of(locs, np.zeros_like(locs)))
+        flagged += summary["drifting"] > 0
+    assert flagged <= 20
+
+
+def test_few_rounds_are_undetermined_or_flagged():
+    """Two rounds: only the change is known. A steady drift of 0.5 sd per round over 5 rounds is
+    flagged (at least one more step of 0.5 sd); 0.01 sd per round over 5 rounds is undetermined."""
+    two = diagnostics.convergence(trajectory_of([[0.0], [0.2], [0.3]], [[0.0]] * 3))
+    assert two["converged"] is None and two["change"] == pytest.approx(0.1)
+    for step, expected in ((0.5, False), (0.01, None)):
+        locs = (step * np.arange(6) + 1e-4 * np.random.default_rng(1).normal(size=6))[:, None]
+        assert diagnostics.convergence(trajectory_of(locs, np.zeros_like(locs)))["converged"] is expected
+
+
+@dppvi.model
+def linear(x, y=None):
+    w = numpyro.sample("w", dist.Normal(0.0, 3.0).expand([x.shape[1]]).to_event(1))
+    b = numpyro.sample("b", dist.Normal(0.0, 3.0))
+    with numpyro.plate("data", x.shape[0]):
+        numpyro.sample("y", dist.Normal(x @ w + b, 1.0), obs=y)
+
+
+def linear_clients(n=400, num_clients=4):
+    rng = np.random.default_rng(0)
+    x1 = rng.normal(size=n)
+    x = np.stack([x1, x1 + 0.1 * rng.normal(size=n), (rng.uniform(size=n) < 0.5).astype(float)], 1)
+    y = x @ np.array([1.0, 1.0, 2.0]) + 0.5 + rng.normal(size=n)
+    return dppvi.partition((x, y), num_clients=num_clients, seed=0)
+
+
+def test_slow_fit_warns_and_converged_fit_does_not(tmp_path):
+    """Damping 0.05 for 20 rounds moves every coordinate steadily (measured: rate 0.95, about 2.5 sd
+    to go): a ConvergenceWarning naming more rounds; damping 0.5 for 20 rounds leaves only Monte Carlo
+    jitter (no coordinate drifts). The diagnostic is in the history, the result, its summary and the
+    saved file."""
+    clients = linear_clients()
+    with pytest.warns(diagnostics.ConvergenceWarning, match="more rounds"):
+        slow = dppvi.fit_dppvi(linear, clients, rounds=20, damping=0.05, local_steps=100,
+                               rng_key=jax.random.key(0))
+    assert slow.convergence["converged"] is False and slow.convergence["distance"] > 1.0
+    assert all(h["change"] >= 0 for h in slow.history)
+    with warnings.catch_warnings():
+        warnings.simplefilter("error", diagnostics.ConvergenceWarning)
+        fast = dppvi.fit_dppvi(linear, clients, rounds=20, damping=0.5, local_steps=100,
+                               rng_key=jax.random.key(0))
+    assert fast.convergence["converged"] is True and fast.convergence["drifting"] == 0
+    table = slow.summary(num_samples=200)
+    assert table.attrs["convergence"]["converged"] is False and not table["converged"].any()
+    slow.save(tmp_path / "slow.npz")
+    assert dppvi.load(tmp_path / "slow.npz", linear).convergence == slow.convergence
+
+
+@dppvi.model
+def log_of_data(x, y=None):
+    """``y ~ N(0, exp((1 + theta^2) x))``: for ``x >= 1000`` the scale overflows to ``inf`` and
+    ``log p = -inf`` for every theta (a likelihood that is not finite where the data put it); for
+    ``x <= 1`` all is finite."""
+    theta = numpyro.sample("theta", dist.Normal(0.0, 1.0))
+    with numpyro.plate("data", x.shape[0]):
+        numpyro.sample("y", dist.Normal(0.0, jax.numpy.exp((1.0 + theta**2) * x)), obs=y)
+
+
+def test_fit_in_which_no_client_updates_raises():
+    """Every row makes the likelihood -inf: every update of every round is non-finite. The fit must not
+    return the prior as a posterior: NoValidUpdates with the count, carrying the unrefined result."""
+    rng = np.random.default_rng(0)
+    clients = [(1e3 + rng.uniform(size=10), rng.normal(size=10)) for _ in range(4)]
+    with pytest.raises(dppvi.NoValidUpdates, match=r"no client produced a valid update in 3 round\(s\) \(12 update") as err:
+        dppvi.fit_dppvi(log_of_data, clients, rounds=3, local_steps=5, rng_key=jax.random.key(0))
+    assert err.value.result.updates == {"taken_part": [3] * 4, "valid": [0] * 4}
+
+
+def test_client_that_never_updates_is_named():
+    """One client of four has rows on which the likelihood is -inf: its data never reaches q. The fit
+    warns naming it and counts it in result.updates; the others update every round."""
+    rng = np.random.default_rng(0)
+    clients = [(rng.uniform(size=10), rng.normal(size=10)) for _ in range(3)]
+    clients.append((1e3 + rng.uniform(size=10), rng.normal(size=10)))
+    with pytest.warns(diagnostics.ClientUpdateWarning, match=r"client\(s\) \[3\]"):
+        result = dppvi.fit_dppvi(log_of_data, clients, rounds=3, local_steps=5, damping=0.5,
+                                 rng_key=jax.random.key(0))
+    assert result.updates == {"taken_part": [3] * 4, "valid": [3, 3, 3, 0]}
+
+
+@dppvi.model
+def logistic(x, y=None):
+    w = numpyro.sample("w", dist.Normal(0.0, 1.0).expand([x.shape[1]]).to_event(1))
+    with numpyro.plate("data", x.shape[0]):
+        numpyro.sample("y", dist.Bernoulli(logits=x @ w), obs=y)
+
+
+def test_noise_warning_names_settings_that_remove_it():
+    """Batch 200 of 400 rows at epsilon 1 for 20 x 50 steps: noise multiplier about 59, noise norm
+    1.3x the largest signal. The warning says so before fitting and proposes fewer local steps; a fit
+    with the proposed settings raises no NoiseWarning (the proposal is checked by recalibrating)."""
+    rng = np.random.default_rng(0)
+    x = rng.normal(size=(400, 10))
+    y = (x @ rng.normal(size=10) + rng.normal(size=400) > 0).astype(float)
+    privacy = dppvi.Privacy(epsilon=1.0, clip=1.0)
+    driver = dppvi.DPPVI(logistic, method="dp_optimisation", privacy=privacy, batch_size=200, local_steps=50,
+                         rounds=20)
+    with pytest.warns(diagnostics.NoiseWarning, match=r"swamps the signal.*rounds=20 with local_steps=(\d+)") as rec:
+        driver.init(jax.random.key(0), [(x, y)])
+    import re
+    steps = int(re.search(r"local_steps=(\d+)", str(rec[0].message)).group(1))
+    assert steps < 50
+    with warnings.catch_warnings():
+        warnings.simplefilter("error", diagnostics.NoiseWarning)
+        dppvi.DPPVI(logistic, method="dp_optimisation", privacy=privacy, batch_size=200, local_steps=steps,
+                    rounds=20).init(jax.random.key(0), [(x, y)])
+
+
+def test_rdp_accountant_is_quiet(caplog):
+    """dp_accounting logs one warning per RDP order that fails to converge (dozens for sigma = 60,
+    q = 0.5); they are dropped (a minimum over fewer orders is still an upper bound) and epsilon is
+    finite."""
+    events = [GaussianEvent(59.1, "poisson", 0.5, 1000)]
+    backends._epsilon.cache_clear()
+    with caplog.at_level(logging.WARNING):
+        eps = backends.epsilon(events, 1e-5, "add_remove", "rdp")
+    assert np.isfinite(eps) and eps > 0
+    assert not [r for r in caplog.records if "failed to converge" in r.getMessage()]
