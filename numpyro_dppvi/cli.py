@@ -105,7 +105,7 @@ def demo(args) -> int:
 
     from . import datasets
     from .data import partition
-    from .diagnostics import ClientUpdateWarning, ConvergenceWarning, NoiseWarning
+    from .diagnostics import FIT_WARNINGS
 
     x, y, x_test, y_test = datasets.load_adult(split="train_test")
     model = logistic_model()
@@ -123,7 +123,7 @@ def demo(args) -> int:
             print(demo_header(len(rows) + 1, total, split, name), flush=True)
             start = time.perf_counter()
             with warnings.catch_warnings(record=True) as caught:  # reported in the table and its notes
-                for category in (ConvergenceWarning, NoiseWarning, ClientUpdateWarning):
+                for category in FIT_WARNINGS:
                     warnings.simplefilter("always", category)
                 try:
                     # no seed: every fit draws its key from the OS (the private fits' guarantee needs a secret key)
@@ -133,7 +133,7 @@ def demo(args) -> int:
                     result = None
                     notes.append(f"{split} / {name}: failed: {exc}")
             for w in caught:
-                if issubclass(w.category, (ConvergenceWarning, NoiseWarning, ClientUpdateWarning)):
+                if issubclass(w.category, FIT_WARNINGS):
                     notes.append(f"{split} / {name}: {w.category.__name__}: {w.message}")
                 else:
                     warnings.warn_explicit(w.message, w.category, w.filename, w.lineno)

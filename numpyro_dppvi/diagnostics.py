@@ -58,6 +58,14 @@ class ClientUpdateWarning(UserWarning):
     """Some client never produced a valid (finite, proper) update: its data is not in ``q``."""
 
 
+class PosteriorRuleWarning(UserWarning):
+    """A documented rule changed part of an invalid posterior (the history counts what it changed)."""
+
+
+#: Every warning a fit gives about its own result (the command line reports them as notes).
+FIT_WARNINGS = (ConvergenceWarning, NoiseWarning, ClientUpdateWarning, PosteriorRuleWarning)
+
+
 def unconstrained_coordinates(q: factors.Gaussian) -> tuple[np.ndarray, np.ndarray]:
     """``(mu, log s)`` of ``q`` as float64 arrays."""
     loc, scale = factors.to_loc_scale(q)

@@ -30,6 +30,7 @@ import optax
 
 from .. import factors
 from ..data import validate_clients
+from ..diagnostics import PosteriorRuleWarning
 from ..evaluation import evaluate
 from ..results import DPPVIResult
 from .fit import DPPVI
@@ -116,5 +117,5 @@ def reset_to_prior(q, prior, invalid: str = "prior"):
     if count:
         warnings.warn(f"fit_bcm: {count} of {below.size} coordinates of the combined posterior had a precision "
                       "below the prior's (noisy or uninformative clients) and were reset to the prior "
-                      "(invalid='prior'; history[0]['reset_to_prior'] counts them)", stacklevel=3)
+                      "(invalid='prior'; history[0]['reset_to_prior'] counts them)", PosteriorRuleWarning, stacklevel=3)
     return factors.Gaussian(*(jnp.where(below, p, a) for a, p in zip(q, prior))), count

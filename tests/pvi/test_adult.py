@@ -104,7 +104,7 @@ def test_dp_bcm_same_resets_coordinates_less_certain_than_the_prior(adult):
                     privacy=dppvi.Privacy(epsilon=1.0, clip=2.0))
     with pytest.raises(ValueError, match="not a proper Gaussian.*invalid='prior'"):
         dppvi.fit_bcm(logistic, clients, invalid="raise", **settings)
-    with pytest.warns(UserWarning, match="reset to the prior"):
+    with pytest.warns(dppvi.diagnostics.PosteriorRuleWarning, match="reset to the prior"):
         result = dppvi.fit_bcm(logistic, clients, eval_data=(x_test, y_test), **settings)
     reset = result.history[0]["reset_to_prior"]
     assert 1 <= reset <= 109 // 3, reset
