@@ -74,8 +74,8 @@ def state_path(node: NodeSettings) -> Path:
 
 @contextlib.contextmanager
 def locked(node: NodeSettings):
-    """Hold an exclusive lock on the node's state folder (created 0700) for one message."""
-    node.state_dir.mkdir(parents=True, exist_ok=True, mode=0o700)
+    """Hold an exclusive lock on the node's state folder (made private, 0700) for one message."""
+    private_folder(node.state_dir)
     fd = os.open(node.state_dir / "lock", os.O_RDWR | os.O_CREAT, 0o600)
     try:
         fcntl.flock(fd, fcntl.LOCK_EX)
@@ -83,6 +83,13 @@ def locked(node: NodeSettings):
     finally:
         fcntl.flock(fd, fcntl.LOCK_UN)
         os.close(fd)
+
+
+def private_folder(folder: Path) -> None:
+    """Create ``folder`` (or take an existing one) readable by its owner only (0700)."""
+    folder.mkdir(parents=True, exist_ok=True, mode=0o700)
+    if os.stat(folder).st_mode & 0o077:
+        os.chmod(folder, 0o700)
 
 
 def new_state(node: NodeSettings) -> ClientState:
@@ -122,15 +129,15 @@ def save(state: ClientState, node: NodeSettings) -> None:
     tree = {"seed": np.asarray(state.seed, np.uint32)}
     if state.factor is not None:
         tree["factor"] = Gaussian(*(np.asarray(x) for x in state.factor))
-    arrays_meta = {"format": STATE_FORMAT, "kind": "FlowerClientState", "client_id": state.client_id,
+    meta = {"format": STATE_FORMAT, "kind": "FlowerClientState", "client_id": state.client_id,
                    "seed_kind": state.seed_kind, "exchanges": int(state.exchanges),
                    "ledger": None if state.ledger is None else state.ledger.to_dict(), "num_rows": state.num_rows,
                    "row_shapes": state.row_shapes, "row_dtypes": state.row_dtypes, "fit": state.fit}
     path = state_path(node)
-    node.state_dir.mkdir(parents=True, exist_ok=True, mode=0o700)
+    private_folder(node.state_dir)
     if state.rule_leaves:  # numbered in tree order: the fit's local rule gives the structure back
         tree["client_state"] = {f"{i:04d}": np.asarray(leaf) for i, leaf in enumerate(state.rule_leaves)}
-    checkpoint.save(path, tree, arrays_meta, hmac_key=node.hmac_key(), private=True)
+    checkpoint.save(path, tree, meta, hmac_key=node.hmac_key(), private=True)
     directory = os.open(node.state_dir, os.O_RDONLY)
     try:
         os.fsync(directory)

@@ -37,7 +37,7 @@ class _Node:
     config: dict
     context: Context
     up: bool = True
-    held: bool = False
+    held: tuple | None = None  # message types whose replies are delayed (None: none)
 
 
 class InProcessGrid(Grid):
@@ -122,12 +122,13 @@ class InProcessGrid(Grid):
         self._add(new_id, old.config)
         return new_id
 
-    def hold_replies(self, node_id: int) -> None:
-        """The node's replies are delayed until :meth:`release_replies` (it still runs every instruction)."""
-        self._nodes[node_id].held = True
+    def hold_replies(self, node_id: int, message_types: tuple = ("train",)) -> None:
+        """The node's replies to ``message_types`` are delayed until :meth:`release_replies` (it still runs
+        every instruction at once)."""
+        self._nodes[node_id].held = tuple(message_types)
 
     def release_replies(self, node_id: int) -> None:
-        self._nodes[node_id].held = False
+        self._nodes[node_id].held = None
         for message_id, reply in self._held.pop(node_id, []):
             self._replies[message_id] = reply
 
@@ -141,7 +142,7 @@ class InProcessGrid(Grid):
         else:
             reply = self._run_client(node, message)
         self.in_flight[node_id] -= 1
-        if node is not None and node.held:
+        if node is not None and node.held and message.metadata.message_type in node.held:
             self._held.setdefault(node_id, []).append((message.metadata.message_id, reply))
         else:
             self._replies[message.metadata.message_id] = reply
