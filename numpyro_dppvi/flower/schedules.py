@@ -22,17 +22,10 @@ from typing import Callable
 
 from flwr.app import Message
 
+from ..pvi.fit import FitDiverged
 from .coordinator import ClientRecord, ClientRejected, Coordinator, RoundLog
 from .exchange import Exchange, error_reason
 from .schema import HELLO, TRAIN, Hello, SchemaError, decode_identity, decode_reply, encode_hello, encode_instruction
-
-
-class Diverged(FloatingPointError):
-    """A change made ``q`` improper; ``before`` is the coordinator's result before that round."""
-
-    def __init__(self, message: str, before):
-        super().__init__(message)
-        self.before = before
 
 
 def introduce_new_nodes(coord: Coordinator, exchange: Exchange, timeout: float, rejected: dict) -> None:
@@ -71,9 +64,11 @@ def book(coord: Coordinator, client: ClientRecord, reply: Message, log: RoundLog
 
 
 def _check(coord: Coordinator, before) -> None:
+    """Raise :class:`FitDiverged` (carrying the result before the round, as ``fit_dppvi`` does) when ``q``
+    is no longer a proper Gaussian."""
     if not coord.valid():
-        raise Diverged(f"round {coord.round + 1} made q improper (non-finite or non-positive precision); lower "
-                       "damping, the learning rate or local-steps", before)
+        raise FitDiverged(f"round {coord.round + 1} made q improper (non-finite or non-positive precision); in the "
+                          "run config, lower damping, learning-rate or local-steps", before)
 
 
 def sequential_round(coord: Coordinator, exchange: Exchange, round_timeout: float) -> RoundLog:
