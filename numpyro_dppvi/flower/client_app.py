@@ -83,55 +83,33 @@ def record_signature(state: ClientState, arrays) -> None:
 def take_step(node: NodeSettings, state: ClientState, instruction: Instruction, seconds_left: float) -> Reply:
     """One local update under the protocol of the module docstring; returns the reply to send."""
     i = instruction
-    zero = factors.zeros(np.shape(i.q.eta1)[-1])
-    zero = Gaussian(*(np.asarray(x) for x in zero))
     fit = state.fit if state.fit is not None and state.fit["fit_id"] == i.fit_id else None
+    zero = Gaussian(*(np.zeros(np.shape(i.q.eta1), np.float32) for _ in range(2)))
 
     def refuse(reason: str, detail: str) -> Reply:
         ledger = None if state.ledger is None else state.ledger.to_dict()
         return Reply(node.client_id, "refused", zero, reason, detail, 0 if fit is None else fit["participations"],
                      ledger)
 
-    if i.client_id != node.client_id:
-        return refuse("client", f"this node is client {node.client_id!r}, not {i.client_id!r}")
-    if i.model != node.model:
-        return refuse("model", f"this node fits model {node.model!r} only")
-    if i.method not in node.methods:
-        return refuse("method", f"this node runs {list(node.methods)} (set epsilon for private methods, "
-                                "allow-non-private=true for method='pvi')")
-    if fit is not None and (fit["method"], fit["model"], fit["settings"]) != (i.method, i.model, i.settings.to_json()):
-        return refuse("settings", "a fit's method, model and local settings are fixed at its first step")
-    if seconds_left <= 0:
-        return refuse("expired", "the message expired before the client started")
-    if not bool(factors.is_proper(factors.divide(i.q, i.t_m))):
-        return refuse("cavity", "the cavity q / t_m is not a proper Gaussian")
-    if state.num_rows is None:
+    refusal = refusal_without_data(node, fit, i, seconds_left)
+    if refusal is not None:
+        return refuse(*refusal)
+    if state.num_rows is None:  # a client that never said hello: learn its (public) size first
         record_signature(state, local_update.load_data(node))
-    dimension = 2 * int(np.shape(i.q.eta1)[-1])  # noise coordinates of one release: (loc, log_scale)
-
-    plan = event = None
+    plan = None
     if i.method != "pvi":
-        ledger = state.ledger_for(node)
-        if 0 in ledger.stopped:
-            return refuse("budget", f"the node's budget epsilon={node.epsilon} is spent")
-        try:
-            plan = (local_update.calibrated_plan(node, i.settings, state.num_rows, dimension, ledger.events(0))
-                    if fit is None or fit["noise_multiplier"] is None else
-                    local_update.pinned_plan(node, i.settings, state.num_rows, dimension, fit["noise_multiplier"]))
-        except ValueError as exc:  # no noise meets what is left of the budget
-            return stop_for_budget(node, state, ledger, i, refuse, str(exc))
-        event = plan.event(0, 1)
-        if ledger.epsilon_if(0, event) > node.epsilon * (1 + 1e-9):
-            return stop_for_budget(node, state, ledger, i, refuse, f"one more participation would pass epsilon="
-                                                                   f"{node.epsilon}")
+        plan, why = budget_check(node, state, fit, i)
+        if plan is None:  # the ledger records the stop, written before the refusal leaves
+            state.ledger.stop(0, "epsilon_max", i.round)
+            client_store.save(state, node)
+            return refuse("budget", why)
 
     # -- from here on the client reads its data
     arrays = local_update.load_data(node)
     if [list(a.shape[1:]) for a in arrays] != state.row_shapes or arrays[0].shape[0] != state.num_rows:
         raise ValueError(f"data-file {node.data_file} changed since this client's first message; a client's data "
                          "and its size are fixed (give changed data a new state-dir and client-id)")
-    model = local_update.load_model(node.model)
-    adapter = local_update.adapter_for(model, arrays)
+    adapter = local_update.adapter_for(local_update.load_model(node.model), arrays)
     if adapter.dim != np.shape(i.q.eta1)[-1]:
         raise ValueError(f"q has {np.shape(i.q.eta1)[-1]} coordinates but model {node.model} has {adapter.dim} on "
                          "this data; server and node fit different models")
@@ -147,13 +125,12 @@ def take_step(node: NodeSettings, state: ClientState, instruction: Instruction, 
         key = local_update.simulated_fit_key(state.seed, i.round - 1, node.test_client_index)
     else:
         key = local_update.noise_key(state.seed, state.exchanges)
-    in_sync = all(np.array_equal(np.asarray(a, np.float32), np.asarray(b, np.float32)) for a, b in zip(own, i.t_m))
     delta, rule_state, loss, finite = local_update.run_update(rule, i.settings.damping, i.q, i.t_m, arrays, key,
                                                               rule_state)
 
     # -- the charge, written durably before anything leaves the client
-    if event is not None:
-        state.ledger.record(0, event)
+    if plan is not None:
+        state.ledger.record(0, plan.event(0, 1))
     fit["participations"] += 1
     state.fit = fit
     state.exchanges += 1
@@ -161,6 +138,7 @@ def take_step(node: NodeSettings, state: ClientState, instruction: Instruction, 
     state.rule_leaves = local_update.rule_state_leaves(rule_state)
     client_store.save(state, node)
 
+    in_sync = all(np.array_equal(np.asarray(a, np.float32), np.asarray(b, np.float32)) for a, b in zip(own, i.t_m))
     diagnostics = {"update_finite": float(finite), "factor_in_sync": float(in_sync)}
     if i.method != "pvi":
         diagnostics["loss"] = loss  # DP optimisation reports the data-free part of its loss only
@@ -168,9 +146,42 @@ def take_step(node: NodeSettings, state: ClientState, instruction: Instruction, 
                  ledger=None if state.ledger is None else state.ledger.to_dict(), diagnostics=diagnostics)
 
 
-def stop_for_budget(node, state: ClientState, ledger, instruction: Instruction, refuse, detail: str) -> Reply:
-    """Record in the ledger that the client stopped (its budget cannot pay the next participation),
-    write it, and refuse; nothing is released and no data is read."""
-    ledger.stop(0, "epsilon_max", instruction.round)
-    client_store.save(state, node)
-    return refuse("budget", detail)
+def refusal_without_data(node: NodeSettings, fit: dict | None, i: Instruction,
+                         seconds_left: float) -> tuple[str, str] | None:
+    """``(reason, detail)`` when the message asks for something the node did not agree to (or cannot
+    use), decided from the message, the node config and the fit record alone; else None."""
+    if i.client_id != node.client_id:
+        return "client", f"this node is client {node.client_id!r}, not {i.client_id!r}"
+    if i.model != node.model:
+        return "model", f"this node fits model {node.model!r} only"
+    if i.method not in node.methods:
+        return "method", (f"this node runs {list(node.methods)} (set epsilon for private methods, "
+                          "allow-non-private=true for method='pvi')")
+    if fit is not None and (fit["method"], fit["model"], fit["settings"]) != (i.method, i.model, i.settings.to_json()):
+        return "settings", "a fit's method, model and local settings are fixed at its first step"
+    if seconds_left <= 0:
+        return "expired", "the message expired before the client started"
+    if not bool(factors.is_proper(factors.divide(i.q, i.t_m))):
+        return "cavity", "the cavity q / t_m is not a proper Gaussian"
+    return None
+
+
+def budget_check(node: NodeSettings, state: ClientState, fit: dict | None, i: Instruction):
+    """``(plan, "")`` when the node's budget pays one more participation, else ``(None, why)``.
+
+    The plan is calibrated at a fit's first step (to what the ledger leaves of the node's budget) and
+    pinned afterwards; the step is allowed while ``epsilon(ledger + plan.event(1)) <= epsilon``
+    (``fit_dppvi``'s stop rule, checked against every fit on the node's data)."""
+    ledger = state.ledger_for(node)
+    if 0 in ledger.stopped:
+        return None, f"the node's budget epsilon={node.epsilon} is spent"
+    dimension = 2 * int(np.shape(i.q.eta1)[-1])  # noise coordinates of one release: (loc, log_scale)
+    try:
+        plan = (local_update.calibrated_plan(node, i.settings, state.num_rows, dimension, ledger.events(0))
+                if fit is None or fit["noise_multiplier"] is None else
+                local_update.pinned_plan(node, i.settings, state.num_rows, dimension, fit["noise_multiplier"]))
+    except ValueError as exc:  # no noise meets what is left of the budget
+        return None, str(exc)
+    if ledger.epsilon_if(0, plan.event(0, 1)) > node.epsilon * (1 + 1e-9):
+        return None, f"one more participation would pass epsilon={node.epsilon}"
+    return plan, ""
