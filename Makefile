@@ -10,7 +10,7 @@ STAMP := $(VENV)/.installed
 $(STAMP): pyproject.toml
 	test -x $(BIN)/python || $(PYTHON) -m venv $(VENV)
 	$(BIN)/python -m pip install --quiet --upgrade pip
-	$(BIN)/python -m pip install --quiet -e ".[dev,examples]"
+	$(BIN)/python -m pip install --quiet -e ".[dev,examples,flower]"
 	touch $(STAMP)
 
 demo: $(STAMP)

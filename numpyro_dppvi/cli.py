@@ -5,6 +5,9 @@
                  prints test accuracy, mean test log-likelihood, communications, epsilon and wall time.
 ``dppvi run X``  runs ``examples/X.py`` of a source checkout (``main(argv)`` with the remaining
                  arguments); its exit status is the example's. ``dppvi run`` lists the experiments.
+``dppvi deploy demo``  starts a Flower SuperLink and two SuperNodes on 127.0.0.1, runs DP-PVI on Adult
+                 split between them, prints the posterior and every ledger, and stops them (needs the
+                 ``flower`` extra).
 ``dppvi bench``  runs the speed harnesses in ``benchmarks/`` of a source checkout, prints a table of
                  their key numbers and writes their JSON to ``runs/bench/`` (``--out DIR``), or to the
                  tracked ``benchmarks/results/`` with ``--update-results``.
@@ -365,6 +368,24 @@ def bench(args) -> int:
     return 0
 
 
+# --------------------------------------------------------------------------- dppvi deploy
+
+FLOWER_MISSING = ("dppvi deploy needs Flower: install the extra with `pip install numpyro_dppvi[flower]` "
+                  "(or `pip install -e \".[flower]\"` in a checkout)")
+
+
+def deploy(args) -> int:
+    """``dppvi deploy demo``: the Flower deployment on this machine (imported only when asked for)."""
+    try:
+        import flwr  # noqa: F401
+    except ImportError:
+        print(FLOWER_MISSING, file=sys.stderr)
+        return 2
+    from .flower.demo import run_demo
+
+    return run_demo(rounds=args.rounds, epsilon=args.epsilon, timeout=args.timeout, keep=args.keep)
+
+
 # --------------------------------------------------------------------------- the parser
 
 def build_parser(root: Path | None) -> argparse.ArgumentParser:
@@ -403,6 +424,18 @@ def build_parser(root: Path | None) -> argparse.ArgumentParser:
     where.add_argument("--out", type=Path, default=None, help="folder for the JSON results (default: runs/bench/)")
     where.add_argument("--update-results", action="store_true",
                        help="write to the tracked benchmarks/results/ instead (to commit new reference numbers)")
+    p_deploy = sub.add_parser(
+        "deploy", help="DP-PVI across machines on Flower (`dppvi deploy demo`: two SuperNodes on this machine)",
+        description="Deployment on Flower (docs/deploy.md). `demo` starts a SuperLink and two SuperNodes on\n"
+                    "127.0.0.1, runs DP-PVI on UCI Adult split between them, prints the posterior summary and\n"
+                    "each client's ledger, and stops every process it started. Needs the flower extra.",
+        formatter_class=argparse.RawDescriptionHelpFormatter)
+    deploy_sub = p_deploy.add_subparsers(dest="deploy_command", required=True, metavar="ACTION")
+    p_demo_deploy = deploy_sub.add_parser("demo", help="two SuperNodes on this machine, three rounds on Adult")
+    p_demo_deploy.add_argument("--rounds", type=int, default=3, help="synchronous rounds (default 3)")
+    p_demo_deploy.add_argument("--epsilon", type=float, default=1.0, help="each hospital's budget (delta 1e-5)")
+    p_demo_deploy.add_argument("--timeout", type=float, default=600.0, help="seconds the fit may take (default 600)")
+    p_demo_deploy.add_argument("--keep", action="store_true", help="keep the work folder (data, states, logs)")
     return parser
 
 
@@ -416,6 +449,8 @@ def main(argv=None) -> int:
         return demo(args)
     if args.command == "run":
         return run(args)
+    if args.command == "deploy":
+        return deploy(args)
     return bench(args)
 
 

@@ -1,0 +1,187 @@
+"""The ClientApp a data holder runs: ``numpyro_dppvi.flower.client_app:app``.
+
+It comes from the node's own installed ``numpyro_dppvi`` (the server's app bundle names it and
+ships no client code), reads its settings from the node config (:class:`NodeSettings`) and keeps
+its state on its own disk (:mod:`.client_store`). One ``train`` message is one local update, taken
+in this order:
+
+1. Refusals that need no data: another client addressed, another model, a method the node does not
+   run, settings changed within a fit, an expired message, an invalid cavity ``q / t_m``.
+2. The budget (private methods): at a fit's first step the noise is calibrated to the node's
+   ``(epsilon, delta)`` given what the ledger already holds; at every step the client refuses if
+   ``epsilon(ledger + this participation) > epsilon``, and the ledger records the stop. The data
+   are not read before this check.
+3. The update on the node's own rows, with a key of the client's secret seed.
+4. The charge, the new factor and the next key number are written durably (:func:`client_store.save`).
+5. Only then the reply: the factor change, data-free diagnostics and the client's ledger.
+
+``query.hello`` introduces the client (its id, model signature, size and ledger) without touching
+anything but the shapes of its data.
+"""
+
+from __future__ import annotations
+
+import time
+
+import numpy as np
+from flwr.app import Context, Message
+from flwr.clientapp import ClientApp
+
+from .. import factors
+from ..factors import Gaussian
+from . import client_store, local_update
+from .client_store import ClientState
+from .schema import (Identity, Instruction, Reply, decode_hello, decode_instruction, encode_identity,
+                     encode_reply)
+from .settings import NodeSettings
+
+app = ClientApp()
+
+
+@app.query("hello")
+def hello(message: Message, context: Context) -> Message:
+    node = node_settings(context)
+    request = decode_hello(message.content)
+    with client_store.locked(node):
+        state = client_store.load(node)
+        if state.num_rows is None:
+            record_signature(state, local_update.load_data(node))
+            client_store.save(state, node)
+    model = node.model if request.model == node.model else ""
+    identity = Identity(node.client_id, model, tuple(tuple(s) for s in state.row_shapes), tuple(state.row_dtypes),
+                        state.num_rows, node.methods, None if state.ledger is None else state.ledger.to_dict())
+    return Message(encode_identity(identity), reply_to=message)
+
+
+@app.train()
+def train(message: Message, context: Context) -> Message:
+    node = node_settings(context)
+    instruction = decode_instruction(message.content)
+    seconds_left = message.metadata.created_at + message.metadata.ttl - time.time()
+    with client_store.locked(node):
+        state = client_store.load(node)
+        reply = take_step(node, state, instruction, seconds_left)
+    return Message(encode_reply(reply), reply_to=message)
+
+
+def node_settings(context: Context) -> NodeSettings:
+    node = NodeSettings.from_node_config(context.node_config)
+    if node.compilation_cache is not None:  # a fresh process per message: reuse compiled programs from disk
+        from ..compilation_cache import enable_compilation_cache
+
+        enable_compilation_cache(node.compilation_cache)
+    return node
+
+
+def record_signature(state: ClientState, arrays) -> None:
+    """Keep the public facts of the node's data: its number of rows, and the shape and dtype of one row."""
+    state.num_rows = int(arrays[0].shape[0])
+    state.row_shapes = [list(a.shape[1:]) for a in arrays]
+    state.row_dtypes = [str(a.dtype) for a in arrays]
+
+
+def take_step(node: NodeSettings, state: ClientState, instruction: Instruction, seconds_left: float) -> Reply:
+    """One local update under the protocol of the module docstring; returns the reply to send."""
+    i = instruction
+    fit = state.fit if state.fit is not None and state.fit["fit_id"] == i.fit_id else None
+    zero = Gaussian(*(np.zeros(np.shape(i.q.eta1), np.float32) for _ in range(2)))
+
+    def refuse(reason: str, detail: str) -> Reply:
+        ledger = None if state.ledger is None else state.ledger.to_dict()
+        return Reply(node.client_id, "refused", zero, reason, detail, 0 if fit is None else fit["participations"],
+                     ledger)
+
+    refusal = refusal_without_data(node, fit, i, seconds_left)
+    if refusal is not None:
+        return refuse(*refusal)
+    if state.num_rows is None:  # a client that never said hello: learn its (public) size first
+        record_signature(state, local_update.load_data(node))
+    plan = None
+    if i.method != "pvi":
+        plan, why = budget_check(node, state, fit, i)
+        if plan is None:  # the ledger records the stop, written before the refusal leaves
+            state.ledger.stop(0, "epsilon_max", i.round)
+            client_store.save(state, node)
+            return refuse("budget", why)
+
+    # -- from here on the client reads its data
+    arrays = local_update.load_data(node)
+    if [list(a.shape[1:]) for a in arrays] != state.row_shapes or arrays[0].shape[0] != state.num_rows:
+        raise ValueError(f"data-file {node.data_file} changed since this client's first message; a client's data "
+                         "and its size are fixed (give changed data a new state-dir and client-id)")
+    adapter = local_update.adapter_for(local_update.load_model(node.model), arrays)
+    if adapter.dim != np.shape(i.q.eta1)[-1]:
+        raise ValueError(f"q has {np.shape(i.q.eta1)[-1]} coordinates but model {node.model} has {adapter.dim} on "
+                         "this data; server and node fit different models")
+    rule = local_update.make_rule(i.method, adapter, i.settings, plan)
+    template = local_update.initial_rule_state(rule, plan, arrays, np.ones(state.num_rows, bool), None)
+    if fit is None:
+        fit = {"fit_id": i.fit_id, "method": i.method, "model": i.model, "settings": i.settings.to_json(),
+               "noise_multiplier": None if plan is None else float(plan.noise_multipliers[0]), "participations": 0}
+        rule_state, own = template, zero
+    else:
+        rule_state, own = local_update.rule_state_from(template, state.rule_leaves), state.factor
+    if node.test_fit_key is not None:  # tests only (NodeSettings checks the environment): fit_dppvi's keys
+        key = local_update.simulated_fit_key(state.seed, i.round - 1, node.test_client_index)
+    else:
+        key = local_update.noise_key(state.seed, state.exchanges)
+    delta, rule_state, loss, finite = local_update.run_update(rule, i.settings.damping, i.q, i.t_m, arrays, key,
+                                                              rule_state)
+
+    # -- the charge, written durably before anything leaves the client
+    if plan is not None:
+        state.ledger.record(0, plan.event(0, 1))
+    fit["participations"] += 1
+    state.fit = fit
+    state.exchanges += 1
+    state.factor = Gaussian(*(np.asarray(t, np.float32) + np.asarray(d, np.float32) for t, d in zip(i.t_m, delta)))
+    state.rule_leaves = local_update.rule_state_leaves(rule_state)
+    client_store.save(state, node)
+
+    in_sync = all(np.array_equal(np.asarray(a, np.float32), np.asarray(b, np.float32)) for a, b in zip(own, i.t_m))
+    diagnostics = {"update_finite": float(finite), "factor_in_sync": float(in_sync)}
+    if i.method != "pvi":
+        diagnostics["loss"] = loss  # DP optimisation reports the data-free part of its loss only
+    return Reply(node.client_id, "ok", delta, participations=fit["participations"],
+                 ledger=None if state.ledger is None else state.ledger.to_dict(), diagnostics=diagnostics)
+
+
+def refusal_without_data(node: NodeSettings, fit: dict | None, i: Instruction,
+                         seconds_left: float) -> tuple[str, str] | None:
+    """``(reason, detail)`` when the message asks for something the node did not agree to (or cannot
+    use), decided from the message, the node config and the fit record alone; else None."""
+    if i.client_id != node.client_id:
+        return "client", f"this node is client {node.client_id!r}, not {i.client_id!r}"
+    if i.model != node.model:
+        return "model", f"this node fits model {node.model!r} only"
+    if i.method not in node.methods:
+        return "method", (f"this node runs {list(node.methods)} (set epsilon for private methods, "
+                          "allow-non-private=true for method='pvi')")
+    if fit is not None and (fit["method"], fit["model"], fit["settings"]) != (i.method, i.model, i.settings.to_json()):
+        return "settings", "a fit's method, model and local settings are fixed at its first step"
+    if seconds_left <= 0:
+        return "expired", "the message expired before the client started"
+    if not bool(factors.is_proper(factors.divide(i.q, i.t_m))):
+        return "cavity", "the cavity q / t_m is not a proper Gaussian"
+    return None
+
+
+def budget_check(node: NodeSettings, state: ClientState, fit: dict | None, i: Instruction):
+    """``(plan, "")`` when the node's budget pays one more participation, else ``(None, why)``.
+
+    The plan is calibrated at a fit's first step (to what the ledger leaves of the node's budget) and
+    pinned afterwards; the step is allowed while ``epsilon(ledger + plan.event(1)) <= epsilon``
+    (``fit_dppvi``'s stop rule, checked against every fit on the node's data)."""
+    ledger = state.ledger_for(node)
+    if 0 in ledger.stopped:
+        return None, f"the node's budget epsilon={node.epsilon} is spent"
+    dimension = 2 * int(np.shape(i.q.eta1)[-1])  # noise coordinates of one release: (loc, log_scale)
+    try:
+        plan = (local_update.calibrated_plan(node, i.settings, state.num_rows, dimension, ledger.events(0))
+                if fit is None or fit["noise_multiplier"] is None else
+                local_update.pinned_plan(node, i.settings, state.num_rows, dimension, fit["noise_multiplier"]))
+    except ValueError as exc:  # no noise meets what is left of the budget
+        return None, str(exc)
+    if ledger.epsilon_if(0, plan.event(0, 1)) > node.epsilon * (1 + 1e-9):
+        return None, f"one more participation would pass epsilon={node.epsilon}"
+    return plan, ""

@@ -1,0 +1,186 @@
+"""One client's local update, built from the pieces ``fit_dppvi`` uses (nothing new is accounted).
+
+* the model adapter (:func:`numpyro_dppvi.pvi.fit.model_adapter`, traced on the client's own rows);
+* the privacy plan (:func:`numpyro_dppvi.pvi.privacy_plan.dp_sgd_plan` for this client alone: DP
+  optimisation calibrates each client to its own sampling rate ``q_m = b / n_m``, so a client that
+  knows only its own size calibrates exactly as ``fit_dppvi`` calibrates it among all clients);
+* the local rule (:class:`~numpyro_dppvi.pvi.local.NonPrivate` or
+  :class:`~numpyro_dppvi.pvi.local.DPOptimisation`, with the settings ``DPPVI._setup`` gives it);
+* the update of ``pvi.server``: cavity ``q / t_m``, ``q_new = rule.update(q, cavity, ...)`` on the
+  client's unpadded rows, and the damped change ``delta = rho (eta(q_new) - eta(q))``, zero when
+  ``q_new`` is not finite (post-processing of the client's releases, as in ``server.arrivals``).
+
+Keys: a deployed client draws key ``k`` of its life as ``fold_in(seed, k)`` from its secret seed
+(:func:`noise_key`). For tests, :func:`simulated_fit_key` derives the key ``fit_dppvi`` gives client
+``m`` in round ``r`` (``fold_in(split(fold_in(fit_key, r), 3)[2], m)``, ``pvi.server.round_key``),
+so that the in-process grid can reproduce a simulated fit.
+"""
+
+from __future__ import annotations
+
+import functools
+import importlib
+from typing import Callable
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import optax
+
+from .. import checkpoint, factors
+from ..cache import cached
+from ..data import validate_clients
+from ..factors import Gaussian
+from ..model import ModelAdapter
+from ..privacy import Privacy
+from ..pvi.fit import model_adapter
+from ..pvi.local import DPOptimisation, NonPrivate
+from ..pvi.privacy_plan import PrivacyPlan, dp_sgd_plan
+from .settings import LocalSettings, NodeSettings, SettingsError
+
+
+def load_model(reference: str) -> Callable:
+    """The NumPyro model ``"package.module:function"`` from this machine's installed code."""
+    module_name, _, attribute = reference.partition(":")
+    try:
+        model = getattr(importlib.import_module(module_name), attribute)
+    except (ImportError, AttributeError) as exc:
+        raise SettingsError(f"model {reference!r} cannot be imported here ({exc}); install the package that defines "
+                            "it, or name an importable 'package.module:function'") from exc
+    if not callable(model):
+        raise SettingsError(f"model {reference!r} is not a function")
+    return model
+
+
+def load_data(node: NodeSettings) -> tuple[np.ndarray, ...]:
+    """The node's data: the arrays ``data-arrays`` of ``data-file`` (``.npz``, read without pickle), checked
+    as ``fit_dppvi`` checks a client (numeric, finite, one row per individual)."""
+    try:
+        with np.load(node.data_file, allow_pickle=False) as f:
+            missing = [name for name in node.data_arrays if name not in f.files]
+            if missing:
+                raise SettingsError(f"data-file {node.data_file} has no array(s) {missing} (it holds {f.files}); set "
+                                    "data-arrays to its arrays in the model's argument order")
+            arrays = tuple(f[name] for name in node.data_arrays)
+    except FileNotFoundError as exc:
+        raise SettingsError(f"data-file {node.data_file} does not exist; point data-file at the node's .npz data") from exc
+    return validate_clients([arrays])[0]
+
+
+def adapter_for(model: Callable, arrays) -> ModelAdapter:
+    """The model traced on the client's own rows (cached by model and row shapes, as in ``fit_dppvi``)."""
+    adapter = model_adapter(model, [arrays])
+    adapter.validate_data(arrays, "the node's data")
+    if adapter.has_server_factor:
+        raise SettingsError("numpyro_dppvi.flower needs a model whose priors are Normal on real sites (no server-held "
+                            "prior factor); reparametrise the other priors")
+    return adapter
+
+
+@functools.lru_cache(maxsize=None)
+def optimizer(name: str, learning_rate: float) -> optax.GradientTransformation:
+    """One optax object per setting, so equal rules share their compiled programs."""
+    return {"adam": optax.adam, "sgd": optax.sgd}[name](learning_rate)
+
+
+def privacy_of(node: NodeSettings, settings: LocalSettings, noise_multiplier: float | None = None) -> Privacy:
+    """The client's :class:`Privacy`: its budget and units from the node config, the clip from the server."""
+    return Privacy(epsilon=None if noise_multiplier is not None else node.epsilon, delta=node.delta,
+                   clip=settings.clip, noise_multiplier=noise_multiplier, sampling=node.sampling,
+                   neighbouring=node.neighbouring, accountant=node.accountant)
+
+
+def calibrated_plan(node: NodeSettings, settings: LocalSettings, num_rows: int, dimension: int,
+                    spent: tuple = ()) -> PrivacyPlan:
+    """The plan of a new fit: noise calibrated so that the releases already in the client's ledger
+    (``spent``) and ``planned_rounds`` participations of ``local_steps`` DP-SGD steps at rate
+    ``q_m = b / n_m`` together meet the node's ``(epsilon, delta)``. With nothing spent this is
+    ``fit_dppvi``'s calibration of this client (``PrivacyPlan.calibrate``). Raises ``ValueError``
+    when no noise can meet the budget (it is spent)."""
+    plan = pinned_plan(node, settings, num_rows, dimension, 1.0)  # the rate, overflow and chunk of this client
+    plan.privacy = privacy_of(node, settings)
+    if not spent:
+        plan.calibrate(settings.planned_rounds)
+        return plan
+    z = plan.privacy.resolve(lambda z: list(spent) + [plan.event(0, settings.planned_rounds, z)])
+    plan.noise_multipliers = np.asarray([z])
+    return plan
+
+
+def pinned_plan(node: NodeSettings, settings: LocalSettings, num_rows: int, dimension: int,
+                noise_multiplier: float) -> PrivacyPlan:
+    """The plan of a fit under way, with the noise multiplier fixed at its first step (no calibration)."""
+    return dp_sgd_plan(privacy_of(node, settings, noise_multiplier), [num_rows], settings.batch_size,
+                       settings.local_steps, settings.planned_rounds, dimension)
+
+
+def make_rule(method: str, adapter: ModelAdapter, settings: LocalSettings, plan: PrivacyPlan | None):
+    """The local rule ``DPPVI._setup`` builds for ``method`` with these settings."""
+    opt = optimizer(settings.optimizer, float(settings.learning_rate))
+    a = adapter
+    if method == "dp_optimisation":
+        p = plan.privacy
+        return DPOptimisation(a.log_lik_rows, a.dim, opt, settings.local_steps, settings.batch_size,
+                              settings.num_samples, log_lik_row=a.log_lik_row_blocks, clip=p.clip,
+                              sampling=p.sampling, max_batch=plan.max_batch, blocks=a.site_sizes, chunk=plan.chunk)
+    return NonPrivate(a.log_lik_rows, a.dim, opt, settings.local_steps, settings.batch_size, settings.num_samples)
+
+
+def initial_rule_state(rule, plan: PrivacyPlan | None, arrays, mask, key):
+    """The rule's client state at the start of a fit (``DPPVI._init`` for one client: the rule's own
+    state, plus the noise std and sampling rate of a DP-SGD plan)."""
+    state = rule.init_client_state(arrays, mask, key)
+    if plan is None:
+        return state
+    extras = {"noise_std": np.float32(plan.noise_std(0)), "rate": np.asarray(plan.rates, np.float32)[0]}
+    return dict(state, **extras) if isinstance(state, dict) else extras
+
+
+def rule_state_from(template, leaves: list):
+    """The rule state saved as ``leaves`` (tree order), checked leaf by leaf against ``template``."""
+    expected = jax.tree_util.tree_leaves(template)
+    if len(leaves) != len(expected):
+        raise ValueError(f"the saved client state has {len(leaves)} arrays, the fit's rule expects {len(expected)}")
+    named = {jax.tree_util.keystr(path): leaf for (path, _), leaf in
+             zip(jax.tree_util.tree_flatten_with_path(template)[0], leaves)}
+    return checkpoint.unflatten_like(template, named)
+
+
+def rule_state_leaves(rule_state) -> list:
+    return [np.asarray(leaf) for leaf in jax.tree_util.tree_leaves(rule_state)]
+
+
+def noise_key(seed, exchange: int) -> jax.Array:
+    """Key number ``exchange`` of a deployed client: ``fold_in(seed, exchange)`` (never reused)."""
+    return jax.random.fold_in(jax.random.wrap_key_data(jnp.asarray(seed, jnp.uint32)), int(exchange))
+
+
+def simulated_fit_key(fit_key_data, round_index: int, client_index: int) -> jax.Array:
+    """TEST ONLY: the key ``fit_dppvi`` (sequential or synchronous) hands client ``client_index`` in round
+    ``round_index`` (0-based), ``fold_in(split(fold_in(fit_key, r), 3)[2], m)`` (``pvi.server.round_key``;
+    the arrival ``i`` of client ``m`` is ``m`` in both schedules)."""
+    round_key = jax.random.fold_in(jax.random.wrap_key_data(jnp.asarray(fit_key_data, jnp.uint32)), round_index)
+    _, _, k_clients = jax.random.split(round_key, 3)
+    return jax.random.fold_in(k_clients, client_index)
+
+
+def _update(rule, damping: float, q: Gaussian, t_m: Gaussian, arrays, mask, n, key, rule_state):
+    cavity = factors.divide(q, t_m)
+    q_new, new_state, metrics = rule.update(q, cavity, arrays, mask, n, key, rule_state)
+    finite = jnp.all(jnp.isfinite(q_new.eta1)) & jnp.all(jnp.isfinite(q_new.eta2))
+    delta = Gaussian(*(jnp.where(finite, damping * (new - old), 0.0) for new, old in zip(q_new, q)))
+    kept = jax.tree.map(lambda new, old: jnp.where(finite, new, old), new_state, rule_state)
+    return delta, kept, metrics["loss"], finite
+
+
+def run_update(rule, damping: float, q: Gaussian, t_m: Gaussian, arrays, key, rule_state):
+    """``(delta, rule_state, loss, finite)`` of one local update on the client's own (unpadded) rows,
+    jitted once per rule and damping."""
+    program = cached(("flower-local-update", rule, float(damping)),
+                     lambda: jax.jit(functools.partial(_update, rule, float(damping))))
+    arrays = tuple(jnp.asarray(a) for a in arrays)
+    n = arrays[0].shape[0]
+    mask = jnp.ones(n, bool)
+    as32 = lambda g: Gaussian(*(jnp.asarray(x, jnp.float32) for x in g))
+    delta, rule_state, loss, finite = program(as32(q), as32(t_m), arrays, mask, jnp.float32(n), key, rule_state)
+    return Gaussian(*(np.asarray(x) for x in delta)), rule_state, float(loss), bool(finite)

@@ -1,0 +1,207 @@
+"""The messages between the ServerApp and a ClientApp (version :data:`SCHEMA_VERSION`).
+
+Pure functions between the package's objects and Flower ``RecordDict``s (no ``Message``: building
+one needs a running Flower task). Flower encodes arrays with ``np.save(allow_pickle=False)``, bit
+for bit; its config records are flat (``int | float | str | bytes | bool`` and lists of one of
+them), so nested values travel as JSON strings.
+
+Server -> client, ``train`` (:class:`Instruction`):
+
+* ``"q"``: ArrayRecord ``eta1``, ``eta2`` (the global posterior, natural parameters);
+* ``"t_m"``: ArrayRecord ``eta1``, ``eta2`` (the server's view of the client's factor; ``q`` is
+  ``prior * prod_m t_m`` as the server has seen them, so the cavity ``q / t_m`` uses this view);
+* ``"config"``: ConfigRecord ``schema``, ``fit_id``, ``round``, ``client_id`` (whom the server
+  believes it addresses), ``method``, ``model``, ``settings`` (:class:`LocalSettings` as JSON).
+
+Client -> server, reply to ``train`` (:class:`Reply`):
+
+* ``"delta"``: ArrayRecord ``eta1``, ``eta2``, the change of the client's factor,
+  ``delta = rho (eta(q_new) - eta(q))`` (zeros when it refused or its update was not finite);
+* ``"diagnostics"``: MetricRecord of data-free values only (``update_finite``, ``factor_in_sync``,
+  and for DP optimisation the data-free part of the last local loss);
+* ``"status"``: ConfigRecord ``schema``, ``client_id``, ``status`` (``"ok"`` | ``"refused"``),
+  ``reason`` (why it refused: :data:`REFUSALS`), ``detail`` (text), ``participations`` (steps of
+  this fit charged so far) and ``ledger`` (the client's own :class:`PrivacyLedger` as JSON, ``""``
+  when the method is not private). The server keeps it as a mirror: the client's copy on its own
+  disk is the authority.
+
+Server -> client, ``query.hello`` (:class:`Hello`) and its reply (:class:`Identity`): the fit id
+and model; the client's id, the model it agrees to fit, the shapes and dtypes of one data row (the
+model's signature), its number of rows (public, as in ``fit_dppvi``), the methods it runs and its
+ledger. No data value is ever part of a message.
+"""
+
+from __future__ import annotations
+
+import json
+from dataclasses import dataclass, field
+
+import numpy as np
+from flwr.app import Array, ArrayRecord, ConfigRecord, MetricRecord, RecordDict
+
+from ..factors import Gaussian
+from .settings import LocalSettings
+
+SCHEMA_VERSION = "numpyro_dppvi.flower/1"
+#: Message types: one local update; the introduction that maps a Flower node to a client.
+TRAIN = "train"
+HELLO = "query.hello"
+STATUSES = ("ok", "refused")
+#: Why a client refuses (it then touched no data and was charged nothing, except ``"budget"``
+#: where nothing more is charged either): the next step would pass its budget; the method, model or
+#: settings are not what it agreed to; the message addressed another client; the message expired.
+REFUSALS = ("budget", "method", "model", "settings", "client", "expired", "cavity")
+
+
+class SchemaError(ValueError):
+    """A message that does not follow :data:`SCHEMA_VERSION` (names the fix)."""
+
+
+@dataclass(frozen=True)
+class Instruction:
+    fit_id: str
+    round: int
+    client_id: str
+    method: str
+    model: str
+    settings: LocalSettings
+    q: Gaussian
+    t_m: Gaussian
+
+
+@dataclass(frozen=True)
+class Reply:
+    client_id: str
+    status: str
+    delta: Gaussian
+    reason: str = ""
+    detail: str = ""
+    participations: int = 0
+    ledger: dict | None = None
+    diagnostics: dict = field(default_factory=dict)
+
+
+@dataclass(frozen=True)
+class Hello:
+    fit_id: str
+    model: str
+
+
+@dataclass(frozen=True)
+class Identity:
+    client_id: str
+    model: str
+    row_shapes: tuple
+    row_dtypes: tuple
+    num_rows: int
+    methods: tuple
+    ledger: dict | None = None
+
+
+# --------------------------------------------------------------------------- encoding
+
+def _gaussian_record(g: Gaussian) -> ArrayRecord:
+    return ArrayRecord({"eta1": Array(np.asarray(g.eta1)), "eta2": Array(np.asarray(g.eta2))})
+
+
+def _gaussian(records: RecordDict, name: str) -> Gaussian:
+    record = _record(records, name, ArrayRecord)
+    try:
+        return Gaussian(record["eta1"].numpy(), record["eta2"].numpy())
+    except KeyError as exc:
+        raise SchemaError(f"array record {name!r} lacks {exc}; expected eta1 and eta2") from exc
+
+
+def _record(records: RecordDict, name: str, kind):
+    if name not in records:
+        raise SchemaError(f"message lacks the {kind.__name__} {name!r} of {SCHEMA_VERSION}: the sender runs another "
+                          "version of numpyro_dppvi; install the same version on server and nodes")
+    record = records[name]
+    if not isinstance(record, kind):
+        raise SchemaError(f"{name!r} is a {type(record).__name__}, expected a {kind.__name__}")
+    return record
+
+
+def _config(records: RecordDict, name: str, keys: tuple) -> ConfigRecord:
+    record = _record(records, name, ConfigRecord)
+    version = record.get("schema")
+    if version != SCHEMA_VERSION:
+        raise SchemaError(f"message schema {version!r} is not {SCHEMA_VERSION!r}: server and node run different "
+                          "versions of numpyro_dppvi; install the same version on both")
+    missing = [k for k in keys if k not in record]
+    if missing:
+        raise SchemaError(f"{name!r} lacks {missing} ({SCHEMA_VERSION})")
+    return record
+
+
+def _ledger_json(ledger: dict | None) -> str:
+    return "" if ledger is None else json.dumps(ledger, sort_keys=True)
+
+
+def _ledger(text: str) -> dict | None:
+    return json.loads(text) if text else None
+
+
+def encode_instruction(instruction: Instruction) -> RecordDict:
+    i = instruction
+    return RecordDict({
+        "q": _gaussian_record(i.q), "t_m": _gaussian_record(i.t_m),
+        "config": ConfigRecord({"schema": SCHEMA_VERSION, "fit_id": i.fit_id, "round": int(i.round),
+                                "client_id": i.client_id, "method": i.method, "model": i.model,
+                                "settings": i.settings.to_json()}),
+    })
+
+
+def decode_instruction(records: RecordDict) -> Instruction:
+    c = _config(records, "config", ("fit_id", "round", "client_id", "method", "model", "settings"))
+    return Instruction(str(c["fit_id"]), int(c["round"]), str(c["client_id"]), str(c["method"]), str(c["model"]),
+                       LocalSettings.from_json(c["settings"]), _gaussian(records, "q"), _gaussian(records, "t_m"))
+
+
+def encode_reply(reply: Reply) -> RecordDict:
+    r = reply
+    if r.status not in STATUSES:
+        raise SchemaError(f"status {r.status!r} is not one of {STATUSES}")
+    metrics = {k: float(v) for k, v in r.diagnostics.items()}
+    return RecordDict({
+        "delta": _gaussian_record(r.delta),
+        "diagnostics": MetricRecord(metrics),
+        "status": ConfigRecord({"schema": SCHEMA_VERSION, "client_id": r.client_id, "status": r.status,
+                                "reason": r.reason, "detail": r.detail, "participations": int(r.participations),
+                                "ledger": _ledger_json(r.ledger)}),
+    })
+
+
+def decode_reply(records: RecordDict) -> Reply:
+    c = _config(records, "status", ("client_id", "status", "reason", "detail", "participations", "ledger"))
+    if c["status"] not in STATUSES:
+        raise SchemaError(f"status {c['status']!r} is not one of {STATUSES}")
+    diagnostics = dict(_record(records, "diagnostics", MetricRecord))
+    return Reply(str(c["client_id"]), str(c["status"]), _gaussian(records, "delta"), str(c["reason"]),
+                 str(c["detail"]), int(c["participations"]), _ledger(c["ledger"]), diagnostics)
+
+
+def encode_hello(hello: Hello) -> RecordDict:
+    return RecordDict({"config": ConfigRecord({"schema": SCHEMA_VERSION, "fit_id": hello.fit_id,
+                                               "model": hello.model})})
+
+
+def decode_hello(records: RecordDict) -> Hello:
+    c = _config(records, "config", ("fit_id", "model"))
+    return Hello(str(c["fit_id"]), str(c["model"]))
+
+
+def encode_identity(identity: Identity) -> RecordDict:
+    i = identity
+    return RecordDict({"identity": ConfigRecord({
+        "schema": SCHEMA_VERSION, "client_id": i.client_id, "model": i.model,
+        "row_shapes": json.dumps([list(s) for s in i.row_shapes]), "row_dtypes": json.dumps(list(i.row_dtypes)),
+        "num_rows": int(i.num_rows), "methods": json.dumps(list(i.methods)), "ledger": _ledger_json(i.ledger)})})
+
+
+def decode_identity(records: RecordDict) -> Identity:
+    c = _config(records, "identity", ("client_id", "model", "row_shapes", "row_dtypes", "num_rows", "methods",
+                                      "ledger"))
+    return Identity(str(c["client_id"]), str(c["model"]), tuple(tuple(s) for s in json.loads(c["row_shapes"])),
+                    tuple(json.loads(c["row_dtypes"])), int(c["num_rows"]), tuple(json.loads(c["methods"])),
+                    _ledger(c["ledger"]))

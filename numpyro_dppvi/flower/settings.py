@@ -1,0 +1,194 @@
+"""Who decides what: the server proposes how a local update runs; the node decides its privacy.
+
+* :class:`LocalSettings` travel from the server in every instruction (as one JSON string in the
+  ``config`` record): local steps, batch size, Monte Carlo draws, optimiser, damping, clip and the
+  planned number of rounds. They change the utility, never the guarantee: a client calibrates its
+  noise to its own budget for whatever the server plans, accounts every step it takes, and keeps
+  the settings of a fit fixed from its first step (a change is refused, as ``fit_dppvi(resume=...)``
+  refuses one).
+* :class:`NodeSettings` come from the data holder's ``flower-supernode --node-config`` and never
+  from the server: the client's id, its data file, its state folder, the model it agrees to fit,
+  its budget ``(epsilon, delta)``, the neighbouring relation, accountant and sampler, and whether
+  a non-private method is allowed at all (by default it is not).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+import math
+import os
+from dataclasses import dataclass
+from pathlib import Path
+
+#: Methods a ClientApp runs: DP-SGD in the local step, and plain PVI (only where the node allows it).
+PRIVATE_METHODS = ("dp_optimisation",)
+METHODS = ("pvi",) + PRIVATE_METHODS
+OPTIMIZERS = ("adam", "sgd")
+#: Environment variable a node must set before ``unsafe-test-fit-key`` is honoured (tests only).
+TEST_KEYS_ENV = "NUMPYRO_DPPVI_FLOWER_TEST_KEYS"
+
+
+class SettingsError(ValueError):
+    """A setting is missing or wrong; the message names the key and the fix."""
+
+
+@dataclass(frozen=True)
+class LocalSettings:
+    """The server's proposal for a client's local update (``DPPVI`` arguments of the same names).
+
+    ``batch_size=None`` uses the client's whole data per step (not allowed for DP optimisation);
+    ``planned_rounds`` is the number of participations the client's noise is calibrated for.
+    """
+
+    local_steps: int = 10
+    batch_size: int | None = None
+    num_samples: int = 10
+    optimizer: str = "adam"
+    learning_rate: float = 1e-2
+    damping: float = 1.0
+    clip: float = 1.0
+    planned_rounds: int = 10
+
+    def __post_init__(self):
+        for name in ("local_steps", "num_samples", "planned_rounds"):
+            _positive_int(name, getattr(self, name))
+        if self.batch_size is not None:
+            _positive_int("batch_size", self.batch_size)
+        if self.optimizer not in OPTIMIZERS:
+            raise SettingsError(f"optimizer={self.optimizer!r} is not known; use one of {OPTIMIZERS}")
+        _positive_float("learning_rate", self.learning_rate)
+        _positive_float("clip", self.clip)
+        if not 0.0 < float(self.damping) <= 1.0:
+            raise SettingsError(f"damping must be in (0, 1], got {self.damping}")
+
+    def to_json(self) -> str:
+        return json.dumps(dataclasses.asdict(self), sort_keys=True)
+
+    @classmethod
+    def from_json(cls, text: str) -> "LocalSettings":
+        try:
+            values = json.loads(text)
+        except (TypeError, ValueError) as exc:
+            raise SettingsError(f"local settings are not JSON: {exc}") from exc
+        if not isinstance(values, dict):
+            raise SettingsError("local settings must be a JSON object")
+        unknown = set(values) - {f.name for f in dataclasses.fields(cls)}
+        if unknown:
+            raise SettingsError(f"unknown local settings {sorted(unknown)}: server and node run different "
+                                "versions of numpyro_dppvi; install the same version on both")
+        return cls(**values)
+
+
+@dataclass(frozen=True)
+class NodeSettings:
+    """A data holder's node configuration (``--node-config 'client-id="h1" state-dir="..." ...'``).
+
+    Keys (Flower's kebab case): ``client-id``, ``state-dir``, ``data-file`` (an ``.npz`` file),
+    ``data-arrays`` (its arrays in the model's argument order, default ``"x,y"``), ``model``
+    (``"package.module:function"``, a NumPyro model importable on the node), ``epsilon`` (the node's
+    total budget over every fit on its data) and ``delta``, ``neighbouring``, ``accountant``,
+    ``sampling``, ``allow-non-private`` (default false), ``state-key-file`` (HMAC key for the state
+    file), ``compilation-cache`` (folder of JAX's persistent cache), and the test-only
+    ``unsafe-test-fit-key`` / ``unsafe-test-client-index`` (:attr:`test_fit_key`).
+    """
+
+    client_id: str
+    state_dir: Path
+    data_file: Path
+    model: str
+    data_arrays: tuple[str, ...] = ("x", "y")
+    epsilon: float | None = None
+    delta: float = 1e-5
+    neighbouring: str = "add_remove"
+    accountant: str = "pld"
+    sampling: str = "poisson"
+    allow_non_private: bool = False
+    state_key_file: Path | None = None
+    compilation_cache: Path | None = None
+    test_fit_key: str | None = None
+    test_client_index: int | None = None
+
+    @classmethod
+    def from_node_config(cls, config) -> "NodeSettings":
+        """Read and check ``context.node_config``; errors name the key to set."""
+        config = dict(config)
+        known = {"client-id", "state-dir", "data-file", "data-arrays", "model", "epsilon", "delta", "neighbouring",
+                 "accountant", "sampling", "allow-non-private", "state-key-file", "compilation-cache",
+                 "unsafe-test-fit-key", "unsafe-test-client-index", "partition-id", "num-partitions"}
+        unknown = sorted(set(config) - known)
+        if unknown:
+            raise SettingsError(f"node config has unknown key(s) {unknown}; known keys: {sorted(known)}")
+        for key in ("client-id", "state-dir", "data-file", "model"):
+            if not str(config.get(key, "")).strip():
+                raise SettingsError(f"node config needs {key}=...; start the SuperNode with "
+                                    f"--node-config '{key}=\"...\" ...' (docs/deploy.md)")
+        model = str(config["model"])
+        if ":" not in model:
+            raise SettingsError(f"node config model={model!r} must be 'package.module:function'")
+        epsilon = config.get("epsilon")
+        test_key = str(config.get("unsafe-test-fit-key", "")).strip() or None
+        if test_key is not None and os.environ.get(TEST_KEYS_ENV) != "1":
+            raise SettingsError("unsafe-test-fit-key derives the noise from a key the node was given, which voids the "
+                                f"guarantee; it is for tests only and needs {TEST_KEYS_ENV}=1: remove it from the "
+                                "node config")
+        settings = cls(
+            client_id=str(config["client-id"]), state_dir=Path(str(config["state-dir"])),
+            data_file=Path(str(config["data-file"])), model=model,
+            data_arrays=tuple(a.strip() for a in str(config.get("data-arrays", "x,y")).split(",") if a.strip()),
+            epsilon=None if epsilon in (None, "", 0, 0.0) else _positive_float("epsilon", epsilon),
+            delta=float(config.get("delta", 1e-5)), neighbouring=str(config.get("neighbouring", "add_remove")),
+            accountant=str(config.get("accountant", "pld")), sampling=str(config.get("sampling", "poisson")),
+            allow_non_private=_flag("allow-non-private", config.get("allow-non-private", False)),
+            state_key_file=_optional_path(config.get("state-key-file")),
+            compilation_cache=_optional_path(config.get("compilation-cache")),
+            test_fit_key=test_key,
+            test_client_index=None if test_key is None else int(config.get("unsafe-test-client-index", -1)))
+        if settings.test_fit_key is not None and (settings.test_client_index or 0) < 0:
+            raise SettingsError("unsafe-test-fit-key needs unsafe-test-client-index (the client's index in fit_dppvi)")
+        if not settings.data_arrays:
+            raise SettingsError("node config data-arrays is empty; name the arrays of data-file, e.g. \"x,y\"")
+        return settings
+
+    @property
+    def methods(self) -> tuple[str, ...]:
+        """The methods this node runs: the private ones (with a budget), and ``"pvi"`` if allowed."""
+        private = PRIVATE_METHODS if self.epsilon is not None else ()
+        return private + (("pvi",) if self.allow_non_private else ())
+
+    def hmac_key(self) -> bytes | None:
+        """The HMAC key of the state file (``state-key-file``), or None."""
+        if self.state_key_file is None:
+            return None
+        key = self.state_key_file.read_bytes().strip()
+        if len(key) < 16:
+            raise SettingsError(f"state-key-file {self.state_key_file} holds {len(key)} bytes; use >= 16 random "
+                                "bytes, e.g. `python -c \"import secrets; print(secrets.token_hex(32))\" > key`")
+        return key
+
+
+def _positive_int(name, value) -> int:
+    if isinstance(value, bool) or not isinstance(value, int) or value < 1:
+        raise SettingsError(f"{name} must be a positive integer, got {value!r}")
+    return value
+
+
+def _positive_float(name, value) -> float:
+    if isinstance(value, bool) or not isinstance(value, (int, float)) or not math.isfinite(value) or value <= 0:
+        raise SettingsError(f"{name} must be a finite number > 0, got {value!r}")
+    return float(value)
+
+
+def _flag(name, value) -> bool:
+    if isinstance(value, bool):
+        return value
+    if str(value).lower() in ("true", "1", "yes"):
+        return True
+    if str(value).lower() in ("false", "0", "no", ""):
+        return False
+    raise SettingsError(f"{name} must be true or false, got {value!r}")
+
+
+def _optional_path(value) -> Path | None:
+    text = "" if value is None else str(value).strip()
+    return Path(text) if text else None

@@ -1,0 +1,52 @@
+"""The in-process grid reproduces fit_dppvi: same posterior, same ledgers, same participation.
+
+With the test-only ``unsafe-test-fit-key`` option each client derives its keys as fit_dppvi derives
+client ``m``'s keys from the fit key, so the deployed code path (messages through the wire encoding,
+one ClientApp call per update on the client's own unpadded rows, state on disk between calls) must
+give the simulated fit's numbers to float tolerance."""
+
+import numpy as np
+import pytest
+
+pytest.importorskip("flwr", reason="Flower is not installed: pip install numpyro_dppvi[flower]")
+
+import jax
+import optax
+
+import numpyro_dppvi as dppvi
+from numpyro_dppvi.flower.inprocess import run_inprocess
+from numpyro_dppvi.flower.models import logistic_regression
+from numpyro_dppvi.flower.settings import TEST_KEYS_ENV
+
+from .conftest import node_config, run_config
+
+TOLERANCE = 1e-5
+
+
+@pytest.mark.parametrize("method", ["pvi", "dp_optimisation"])
+@pytest.mark.parametrize("schedule", ["sequential", "synchronous"])
+def test_inprocess_grid_reproduces_fit_dppvi(method, schedule, clients, tmp_path, monkeypatch):
+    monkeypatch.setenv(TEST_KEYS_ENV, "1")
+    key = jax.random.key(7)
+    privacy = dppvi.Privacy(epsilon=2.0, delta=1e-5, clip=1.0) if method == "dp_optimisation" else None
+    simulated = dppvi.fit_dppvi(logistic_regression, clients, method=method, schedule=schedule, rounds=2,
+                                local_steps=5, batch_size=16, optimizer=optax.adam(0.01), damping=0.5, rng_key=key,
+                                privacy=privacy)
+    key_hex = np.asarray(jax.random.key_data(key), np.uint32).tobytes().hex()
+    nodes = [node_config(tmp_path, m, c, method, **{"unsafe-test-fit-key": key_hex, "unsafe-test-client-index": m})
+             for m, c in enumerate(clients)]
+    deployed = run_inprocess(run_config(method, schedule), nodes)
+
+    for name in ("eta1", "eta2"):
+        difference = np.max(np.abs(getattr(simulated.q, name) - getattr(deployed.q, name)))
+        assert difference <= TOLERANCE, (name, difference)
+    assert [h["participated"] for h in deployed.history] == [h["participated"] for h in simulated.history]
+    assert [h["communications"] for h in deployed.history] == [h["communications"] for h in simulated.history]
+    if privacy is None:
+        assert not deployed.is_private
+    else:
+        assert deployed.privacy == simulated.privacy  # events, counts, relation, accountant, delta, seed kind
+        np.testing.assert_allclose(deployed.privacy.epsilon_per_client, simulated.privacy.epsilon_per_client)
+        for m in range(len(clients)):  # each client's own ledger on its own disk says the same
+            own = dppvi.PrivacyLedger.from_dict(deployed.config["client_ledgers"][f"client-{m}"])
+            assert own.events(0) == simulated.privacy.events(m)

@@ -1,0 +1,139 @@
+"""The ServerApp over the in-process grid: schedules, and the faults of a deployment (a node gone, a
+late reply, a failing client, a spent budget, a restarted node) handled as the simulated fit handles
+a dropped client: its factor unchanged, the fit going on with the others, the history saying why."""
+
+import json
+import os
+
+import numpy as np
+import pytest
+
+pytest.importorskip("flwr", reason="Flower is not installed: pip install numpyro_dppvi[flower]")
+
+from flwr.app import Context, RecordDict
+
+import numpyro_dppvi as dppvi
+from numpyro_dppvi import checkpoint
+from numpyro_dppvi.flower import client_store, server_app
+from numpyro_dppvi.flower.client_app import app as client_app
+from numpyro_dppvi.flower.inprocess import FIRST_NODE_ID, InProcessGrid, run_inprocess
+from numpyro_dppvi.flower.models import logistic_regression
+from numpyro_dppvi.flower.settings import NodeSettings
+
+from .conftest import node_config, run_config
+
+
+def after_round(k, action):
+    """A ``report`` callback running ``action()`` once, after round ``k``'s history line."""
+    def report(text):
+        if text.startswith("{") and json.loads(text)["round"] == k:
+            action()
+    return report
+
+
+def dropped(entry):
+    return {d["client"]: d["reason"] for d in entry.get("dropped", [])}
+
+
+def test_a_node_that_goes_away_is_reported_and_the_fit_goes_on(clients, tmp_path):
+    nodes = [node_config(tmp_path, m, c) for m, c in enumerate(clients)]
+    grid = InProcessGrid(client_app, nodes)
+    result = run_inprocess(run_config(rounds=3), nodes, grid, report=after_round(1, lambda: grid.stop_node(
+        FIRST_NODE_ID + 1)))
+    assert [h["participated"] for h in result.history] == [[True] * 3, [True, False, True], [True, False, True]]
+    assert dropped(result.history[1]) == {1: "unavailable"} and dropped(result.history[2]) == {1: "unavailable"}
+    ledgers = result.config["client_ledgers"]
+    releases = [dppvi.PrivacyLedger.from_dict(ledgers[f"client-{m}"]).num_releases(0) for m in range(3)]
+    assert releases == [15, 5, 15]
+    assert np.all(np.isfinite(result.q.eta1)) and result.privacy.epsilon <= 2.0 + 1e-9
+
+
+def test_a_late_client_is_dropped_while_its_own_ledger_counts_its_step(clients, tmp_path):
+    # the deadline is also the messages' TTL: compile first, so that only the held client is late
+    run_inprocess(run_config(rounds=1), [node_config(tmp_path / "warm", m, c) for m, c in enumerate(clients)])
+    nodes = [node_config(tmp_path, m, c) for m, c in enumerate(clients)]
+    grid = InProcessGrid(client_app, nodes)
+    grid.hold_replies(FIRST_NODE_ID + 2)
+    result = run_inprocess(run_config(rounds=2, **{"round-timeout": 3.0}), nodes, grid,
+                           report=after_round(1, lambda: grid.release_replies(FIRST_NODE_ID + 2)))
+    assert dropped(result.history[0]) == {2: "late"} and result.history[0]["participated"] == [True, True, False]
+    assert result.history[1]["participated"] == [True, True, True]
+    # the client ran both steps and its ledger (mirrored with its round-2 reply) charges both
+    assert result.privacy.num_releases(2) == 10 and result.privacy.num_releases(0) == 10
+
+
+def test_a_failing_client_is_reported_with_flowers_error(clients, tmp_path):
+    nodes = [node_config(tmp_path, m, c) for m, c in enumerate(clients)]
+    grid = InProcessGrid(client_app, nodes)
+    result = run_inprocess(run_config(rounds=2), nodes, grid,
+                           report=after_round(1, lambda: os.remove(nodes[0]["data-file"])))
+    reason = dropped(result.history[1])[0]
+    assert reason.startswith("client error (code 2)") and "data-file" in reason
+    assert result.history[1]["participated"] == [False, True, True]
+
+
+def test_a_spent_budget_stops_that_client_only_and_survives_a_restart(clients, tmp_path):
+    nodes = [node_config(tmp_path, m, c, epsilon=1.0 if m == 0 else 4.0) for m, c in enumerate(clients)]
+    first = run_inprocess(run_config(rounds=1), nodes)  # calibrated to spend all of client 0's budget
+    assert first.privacy.epsilon_per_client[0] == pytest.approx(1.0, abs=2e-3)
+    grid = InProcessGrid(client_app, nodes)
+    restarted = grid.restart_node(FIRST_NODE_ID)  # client 0's SuperNode restarts: a new Flower node id
+    assert restarted not in (FIRST_NODE_ID, FIRST_NODE_ID + 1, FIRST_NODE_ID + 2)
+    second = run_inprocess(run_config(rounds=2), nodes, grid)
+    index = {c["client_id"]: j for j, c in enumerate(second.config["clients"])}
+    spent = index["client-0"]  # clients are numbered in the order their nodes joined this fit
+    assert second.history[0]["stopped"] == [spent] and second.config["clients"][spent]["stopped"] == "budget"
+    assert [h["participated"][spent] for h in second.history] == [False, False]
+    assert all(sum(h["participated"]) == 2 for h in second.history)
+    kept = second.privacy  # client 0's ledger came back with its hello: the first fit's releases, and the stop
+    assert kept.num_releases(spent) == 5 and kept.stopped[spent]["reason"] == "epsilon_max"
+    assert kept.num_releases(index["client-1"]) == 15  # 1 + 2 rounds of 5 steps over both fits
+
+
+def test_asynchronous_schedule_keeps_one_message_in_flight_per_node(clients, tmp_path):
+    nodes = [node_config(tmp_path, m, c) for m, c in enumerate(clients)]
+    grid = InProcessGrid(client_app, nodes)
+    result = run_inprocess(run_config(schedule="asynchronous", rounds=2), nodes, grid)
+    assert grid.max_in_flight == 1
+    assert [len(h["arrivals"]) for h in result.history] == [3, 3]
+    assert result.history[-1]["communications"] == 6
+
+
+def test_a_fit_resumes_from_the_server_checkpoint(clients, tmp_path):
+    nodes = [node_config(tmp_path, m, c, method="pvi") for m, c in enumerate(clients)]
+    path = tmp_path / "server.ckpt"
+    settings = dict(method="pvi", schedule="sequential", checkpoint=str(path), **{"fit-id": "fit-1"})
+    once = run_inprocess(run_config(rounds=1, **settings), nodes)
+    arrays, meta = checkpoint.load(path)
+    assert meta["private"] and meta["round"] == 1 and oct(os.stat(path).st_mode & 0o777) == "0o600"
+    resumed = run_inprocess(run_config(rounds=2, **settings), nodes)
+    assert resumed.rounds == 2 and [h["round"] for h in resumed.history] == [1, 2]
+    assert resumed.history[0] == once.history[0]
+
+
+def test_the_server_app_publishes_only_public_outputs(clients, tmp_path):
+    nodes = [node_config(tmp_path, m, c) for m, c in enumerate(clients)]
+    out = tmp_path / "results"
+    config = run_config(rounds=1, **{"results-dir": str(out)})
+    server_app.app(grid=InProcessGrid(client_app, nodes), context=Context(
+        run_id=1, node_id=1, node_config={}, state=RecordDict(), run_config=config))
+    result = dppvi.load(out / "result.npz", logistic_regression)
+    arrays, meta = checkpoint.load(out / "result.npz")
+    assert sorted(arrays) == ["['q'].eta1", "['q'].eta2"] and not meta["private"]
+    assert result.is_private and result.privacy.num_clients == 3
+    assert set(result.sample(10)) == {"w", "b"}
+    text = json.dumps(meta)
+    assert "factor" not in text
+    for config in nodes:  # no client's secret seed (its two 32-bit words) went to the server
+        seed = client_store.load(NodeSettings.from_node_config(config)).seed
+        assert str(int(seed[0])) not in text and str(int(seed[1])) not in text
+    assert [json.loads(line)["round"] for line in (out / "progress.jsonl").read_text().splitlines()] == [1]
+
+
+def test_a_node_with_another_model_cannot_join(clients, tmp_path):
+    nodes = [node_config(tmp_path, m, c) for m, c in enumerate(clients)]
+    nodes[1]["model"] = "numpyro_dppvi.flower.models:not_this_one"
+    notes = []
+    result = run_inprocess(run_config(rounds=1), nodes, report=notes.append)
+    assert [c["client_id"] for c in result.config["clients"]] == ["client-0", "client-2"]
+    assert any("does not fit model" in note for note in notes)
