@@ -104,7 +104,10 @@ class ModelAdapter:
     Attributes: ``sites`` (global latent layout), ``dim`` (length of ``u``), ``plate`` (privacy
     plate name), ``observed`` (observed site names), ``prior`` (natural parameters of the exact
     Gaussian part of the prior; zero on coordinates of non-Gaussian priors), ``server_mask``
-    (coordinates whose prior is held by the server factor ``t_0``).
+    (coordinates on which the server-held prior factor ``t_0`` acts: those of non-Gaussian priors
+    and those of exact-Normal sites that are parents of non-Gaussian ones).
+
+    Any number of rows ``>= 1`` traces the model (rows are repeated up to three: only shapes matter).
     """
 
     def __init__(self, model_fn: Callable, example_data: Sequence):
@@ -113,15 +116,18 @@ class ModelAdapter:
         self.model = model_fn
         arrays = _as_arrays(example_data)
         n = int(arrays[0].shape[0])
-        if n < 3:
-            raise ValueError(f"need at least 3 rows of example data to trace the model, got {n}")
+        if n < 1:
+            raise ValueError("need at least one row of example data to trace the model, got 0")
         self.num_data_args = len(arrays)
         requested = getattr(model_fn, _MARK, None)
-        tr2 = self._trace([a[:2] for a in arrays], seed=0)
-        tr3 = self._trace([a[:3] for a in arrays], seed=1)
+        # Two traces, on 2 and on 3 rows, find the plate that follows the number of rows. With fewer
+        # than 3 rows in total the rows are repeated: only the shapes matter to the structure.
+        rows = lambda k: [jnp.take(a, jnp.arange(k) % n, axis=0) for a in arrays]
+        tr2 = self._trace(rows(2), seed=0)
+        tr3 = self._trace(rows(3), seed=1)
         self.plate = self._find_privacy_plate(tr2, tr3, requested)
-        self._classify(tr2, tr3)
         self.example_row = tuple(a[:1] for a in arrays)
+        self._classify(tr2, tr3)
 
     @classmethod
     def for_shapes(cls, model_fn: Callable, row_shapes, dtypes) -> "ModelAdapter":
@@ -228,6 +234,26 @@ class ModelAdapter:
         self.prior = Gaussian(jnp.concatenate(prior_eta1).astype(jnp.float32), jnp.concatenate(prior_eta2).astype(jnp.float32))
         self.server_mask = jnp.concatenate(server)
         self.has_server_factor = bool(np.any(np.asarray(self.server_mask)))
+        if self.has_server_factor:
+            self.server_mask = self.server_mask | self._server_density_support()
+
+    def _server_density_support(self) -> jax.Array:
+        """Coordinates on which :meth:`server_log_density` depends, ``[D]`` bool.
+
+        Beyond the non-Gaussian sites themselves, a site with an exact Normal prior can be the parent
+        of one (``mu ~ Normal(0, 5)``, ``a ~ Normal(mu, sigma)``): ``log p(a | mu)`` then carries
+        information about ``mu`` that only the server factor can hold, so ``mu``'s coordinates join
+        the server's mask (its Normal prior stays exact in :attr:`prior`; ``t_0`` adds the rest).
+        Found from the gradient at three fixed random points: an exactly zero partial derivative at
+        all of them means no dependence (a non-finite one counts as dependence).
+        """
+        rng = np.random.default_rng(0)
+        grad = jax.jit(jax.grad(self.server_log_density))
+        support = np.zeros(self.dim, bool)
+        for _ in range(3):
+            g = np.asarray(grad(jnp.asarray(0.5 * rng.normal(size=self.dim), jnp.float32)))
+            support |= ~(g == 0.0)
+        return jnp.asarray(support)
 
     # -- layout --------------------------------------------------------------------------------
     @property

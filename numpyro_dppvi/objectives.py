@@ -32,10 +32,49 @@ def cavity_term(params: dict, cavity: Gaussian) -> jax.Array:
     return factors.expected_log_factor(params["loc"], scale, cavity) + factors.entropy(scale)
 
 
+def finite_log_lik_draws(log_lik_rows, u: jax.Array, arrays: tuple) -> jax.Array:
+    """``log p(x_i | T(u_s))`` for every draw ``s`` and row ``i``, ``[S, B]``, whose gradient is
+    taken as zero where it is not finite although the draw's values are.
+
+    The Monte Carlo draws of ``q`` reach regions the model never meant to visit, where a model can
+    be finite but not differentiable in floating point. NumPyro's Hilbert-space GP is one: ``sqrt``
+    of a spectral density that underflows to 0 at long length scales, a finite value with a NaN
+    derivative (``inf * 0``) whose true value is about 0. Without this, one such draw in one step
+    made the whole client's update NaN and the client was dropped from the round (issue 15: every
+    client of an HSGP fit, for 6 to 20 rounds). Only the non-finite entries of the draw's gradient
+    are zeroed (its other coordinates keep theirs); for differentiable models this is the identity.
+
+    A draw whose *value* is not finite (``-inf``: an impossible observation; an overflowing rate)
+    is left as it is: its NaN reaches the client's update, which the server drops (``failed`` in
+    the history). Dropping such draws instead would remove the strongest penalty the likelihood
+    has and let ``q`` drift into the region that produced them (measured on a Poisson GLMM: the
+    fit moved away from NUTS round after round).
+    """
+    batch = lambda v: jax.vmap(log_lik_rows, in_axes=(0, None))(v, arrays)
+
+    @jax.custom_vjp
+    def terms(v):
+        return batch(v)
+
+    def forward(v):
+        values, pullback = jax.vjp(batch, v)
+        finite = jnp.all(jnp.isfinite(values), axis=tuple(range(1, values.ndim)))
+        return values, (pullback, finite)
+
+    def backward(residuals, cotangent):
+        pullback, finite = residuals
+        (du,) = pullback(cotangent)
+        finite = jnp.reshape(finite, finite.shape + (1,) * (du.ndim - 1))
+        return (jnp.where(finite & ~jnp.isfinite(du), 0.0, du),)
+
+    terms.defvjp(forward, backward)
+    return terms(u)
+
+
 def expected_log_lik_rows(log_lik_rows, params: dict, eps: jax.Array, arrays: tuple) -> jax.Array:
-    """Per-example ``E_q[log p(x_i | theta)]`` by Monte Carlo over shared draws, ``[B]``."""
-    u = draws(params, eps)
-    return jnp.mean(jax.vmap(log_lik_rows, in_axes=(0, None))(u, arrays), axis=0)
+    """Per-example ``E_q[log p(x_i | theta)]`` by Monte Carlo over shared draws, ``[B]`` (a non-finite
+    gradient of a finite draw counts as zero: :func:`finite_log_lik_draws`)."""
+    return jnp.mean(finite_log_lik_draws(log_lik_rows, draws(params, eps), arrays), axis=0)
 
 
 def expected_log_lik_row(log_lik_row, params: dict, eps: jax.Array, row: tuple) -> jax.Array:
@@ -94,3 +133,32 @@ def server_elbo(log_density, params, eps, cavity) -> jax.Array:
     """Objective of the server factor ``t_0``: ``E_q[log p(T(u)) + log|J(u)|] + E_q[log cavity] + H[q]``."""
     u = draws(params, eps)
     return jnp.mean(jax.vmap(log_density)(u)) + cavity_term(params, cavity)
+
+
+def expected_grad_and_diag_hessian(log_density, loc, scale, eps, index) -> tuple[jax.Array, jax.Array]:
+    """``E_q[d f / d u_k]`` and ``E_q[d^2 f / d u_k^2]`` for the coordinates ``k`` in ``index``.
+
+    ``q = N(loc, scale^2)`` (diagonal), ``f = log_density``, expectations over the draws
+    ``u_s = loc + scale * eps_s`` (``eps`` is ``[S, D]``); ``index`` is a static integer array of
+    ``K`` coordinates. The diagonal of the Hessian is exact (one Hessian-vector product per
+    coordinate and draw, forward over reverse), not a stochastic estimate: these are the statistics
+    of the natural-gradient (Bonnet / Price) form of Gaussian VI, by which the server refines the
+    prior factor (:class:`~numpyro_dppvi.pvi.local.ServerFactorStep`). Draws whose statistics are
+    not finite are left out of the averages (non-finite results when every draw is). Returns two
+    ``[K]`` arrays.
+    """
+    index = jnp.asarray(index, jnp.int32)
+    k = index.shape[0]
+    basis = jnp.zeros((k, loc.shape[-1]), loc.dtype).at[jnp.arange(k), index].set(1.0)
+    grad_fn = jax.grad(log_density)
+
+    def per_draw(u):
+        hvp = lambda v: jax.jvp(grad_fn, (u,), (v,))[1]
+        diag = jnp.take_along_axis(jax.vmap(hvp)(basis), index[:, None], axis=1)[:, 0]
+        return grad_fn(u)[index], diag
+
+    grads, diags = jax.vmap(per_draw)(loc + scale * eps)
+    finite = jnp.all(jnp.isfinite(grads), axis=1) & jnp.all(jnp.isfinite(diags), axis=1)
+    weight = finite / jnp.sum(finite)  # draws with a non-finite statistic are left out (all of them: NaN)
+    mean = lambda a: jnp.sum(jnp.where(finite[:, None], a, 0.0) * weight[:, None], axis=0)
+    return mean(grads), mean(diags)

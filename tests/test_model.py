@@ -124,3 +124,45 @@ def test_hierarchical_normal_prior_goes_to_server_factor():
 
     a = ModelAdapter(m, data(d=1))
     assert not any(s.gaussian_prior for s in a.sites)  # w's prior depends on tau
+
+
+@pytest.mark.parametrize("rows", [1, 2])
+def test_fewer_than_three_rows_trace_the_same_structure(rows):
+    """Issue 15: tiny federated data (a client of 1-2 rows, or 2 rows in all) must trace; the rows
+    are repeated up to three, since only their shapes matter to the model's structure."""
+    x, y = data()
+    full = ModelAdapter(regression, (x, y))
+    small = ModelAdapter(regression, (x[:rows], y[:rows]))
+    assert small.plate == full.plate and small.dim == full.dim and small.observed == full.observed
+    assert [(s.name, s.shape) for s in small.sites] == [(s.name, s.shape) for s in full.sites]
+    np.testing.assert_array_equal(small.server_mask, full.server_mask)
+    np.testing.assert_allclose(small.prior.eta2, full.prior.eta2)
+    u = jnp.array([0.5, -1.0, 0.2, jnp.log(0.7)])
+    np.testing.assert_allclose(small.log_lik_rows(u, (x, y)), full.log_lik_rows(u, (x, y)), rtol=1e-6)
+
+
+def test_error_no_rows():
+    x, y = data()
+    with pytest.raises(ValueError, match="at least one row"):
+        ModelAdapter(regression, (x[:0], y[:0]))
+
+
+def test_normal_parent_of_a_non_gaussian_site_joins_the_server_mask():
+    """Issue 15: ``mu`` has an exact Normal prior but ``log p(a | mu, tau)`` depends on it; that term is
+    held by the server factor, so ``mu``'s coordinate must be in the server's mask (before the fix
+    ``mu`` kept its prior N(0, 5) whatever the data). ``w``, whose prior no other site uses, stays out."""
+
+    @dppvi.model
+    def m(x, y=None):
+        w = numpyro.sample("w", dist.Normal(0.0, 1.0))
+        mu = numpyro.sample("mu", dist.Normal(0.0, 5.0))
+        tau = numpyro.sample("tau", dist.HalfNormal(1.0))
+        a = numpyro.sample("a", dist.Normal(mu, tau).expand([2]).to_event(1))
+        with numpyro.plate("data", x.shape[0]):
+            numpyro.sample("y", dist.Normal(w * x[:, 0] + a[0], 1.0), obs=y)
+
+    adapter = ModelAdapter(m, data(d=1))
+    assert [s.name for s in adapter.sites] == ["w", "mu", "tau", "a"]
+    assert [s.gaussian_prior for s in adapter.sites] == [True, True, False, False]
+    np.testing.assert_array_equal(adapter.server_mask, [False, True, True, True, True])
+    np.testing.assert_allclose(adapter.prior.eta2[:2], [-0.5, -0.5 / 25])  # mu's Normal prior stays exact

@@ -50,3 +50,67 @@ def test_per_example_grads_reject_blocks_that_do_not_cover_u():
     with pytest.raises(ValueError, match="must sum to the dimension 4"):
         objectives.per_example_log_lik_grads(lambda u, row: jnp.sum(u), params, jnp.zeros((2, 4)),
                                              (jnp.zeros((3, 1)),), blocks=(3, 2))
+
+
+def test_expected_grad_and_diag_hessian_of_a_known_density():
+    """``f(u) = -sum_k c_k u_k^4 / 4 + u_0 u_1``: ``E[df/du_k] = -c_k E[u_k^3] + E[u_other]`` (on the
+    coupled pair), ``E[d^2 f/du_k^2] = -3 c_k E[u_k^2]``, with the Gaussian moments of the same draws;
+    only the coordinates of ``index`` are returned. Tolerance: float32 rounding."""
+    c = jnp.array([1.0, 2.0, 0.5])
+    f = lambda u: -jnp.sum(c * u ** 4) / 4 + u[0] * u[1]
+    loc, scale = jnp.array([0.3, -0.2, 1.0]), jnp.array([0.5, 0.1, 2.0])
+    eps = jax.random.normal(jax.random.key(0), (64, 3))
+    u = loc + scale * eps
+    grad, curv = objectives.expected_grad_and_diag_hessian(f, loc, scale, eps, np.array([0, 2]))
+    want_grad = jnp.stack([jnp.mean(-c[0] * u[:, 0] ** 3 + u[:, 1]), jnp.mean(-c[2] * u[:, 2] ** 3)])
+    want_curv = jnp.stack([jnp.mean(-3 * c[0] * u[:, 0] ** 2), jnp.mean(-3 * c[2] * u[:, 2] ** 2)])
+    np.testing.assert_allclose(grad, want_grad, rtol=1e-5, atol=1e-5)
+    np.testing.assert_allclose(curv, want_curv, rtol=1e-5)
+
+
+def test_expected_grad_and_diag_hessian_leaves_out_non_finite_draws():
+    f = lambda u: -0.5 * u[0] ** 2 + 0.0 * jnp.sqrt(1.0 - u[0])  # NaN (value and derivatives) at u > 1
+    eps = jnp.array([[0.0], [0.5], [3.0]])  # the last draw (u = 3) is not finite
+    grad, curv = objectives.expected_grad_and_diag_hessian(f, jnp.zeros(1), jnp.ones(1), eps, np.array([0]))
+    np.testing.assert_allclose(grad, [-0.25])
+    np.testing.assert_allclose(curv, [-1.0])
+
+
+def test_finite_log_lik_draws_is_the_identity_on_finite_models():
+    rng = np.random.default_rng(1)
+    x = jnp.asarray(rng.normal(size=(20, 3)), jnp.float32)
+    y = jnp.asarray(rng.normal(size=20), jnp.float32)
+    adapter = ModelAdapter(heteroscedastic, (x, y))
+    params = {"loc": jnp.array([0.2, -0.1, 0.4, 0.0]), "log_scale": jnp.full(4, -1.0)}
+    eps = jax.random.normal(jax.random.key(2), (5, adapter.dim))
+    plain = lambda p: jnp.mean(jax.vmap(adapter.log_lik_rows, in_axes=(0, None))(objectives.draws(p, eps), (x, y)))
+    safe = lambda p: jnp.mean(objectives.expected_log_lik_rows(adapter.log_lik_rows, p, eps, (x, y)))
+    np.testing.assert_allclose(safe(params), plain(params), rtol=1e-6)
+    for name in ("loc", "log_scale"):
+        np.testing.assert_allclose(jax.grad(safe)(params)[name], jax.grad(plain)(params)[name], rtol=1e-5, atol=1e-7)
+
+
+def test_a_finite_draw_with_a_non_finite_gradient_contributes_no_gradient_there():
+    """Issue 15: NumPyro's HSGP is finite but not differentiable where ``sqrt`` of its spectral density
+    underflows to 0; one such Monte Carlo draw used to make a client's whole update NaN. Here
+    ``sqrt(max(u_0, 0)) + u_1`` has a NaN derivative in ``u_0`` at ``u_0 <= 0``: that entry of the
+    draw at ``u_0 = -1`` is zeroed, its ``u_1`` entry (1) is kept; the draw at ``u_0 = 4`` keeps
+    ``d sqrt(u)/du = 1/4``. Averaged over the 2 draws."""
+    log_lik_rows = lambda u, arrays: (jnp.sqrt(jnp.maximum(u[0], 0.0)) + u[1]) * jnp.ones(arrays[0].shape[0])
+    params = {"loc": jnp.zeros(2), "log_scale": jnp.zeros(2)}
+    eps = jnp.array([[-1.0, 1.0], [4.0, -1.0]])
+    f = lambda p: jnp.mean(objectives.expected_log_lik_rows(log_lik_rows, p, eps, (jnp.zeros((3, 1)),)))
+    np.testing.assert_allclose(f(params), 1.0)
+    grads = jax.grad(f)(params)
+    np.testing.assert_allclose(grads["loc"], [0.125, 1.0])
+    np.testing.assert_allclose(grads["log_scale"], [0.125 * 4.0, 0.0])
+
+
+def test_a_draw_with_a_non_finite_value_is_not_hidden():
+    """A ``-inf`` log-likelihood (e.g. an overflowing Poisson rate) is the likelihood's strongest signal:
+    it is not zeroed, so the update is not finite and the server drops the client (``failed``)."""
+    log_lik_rows = lambda u, arrays: jnp.where(u[0] > 1.0, -jnp.inf, -u[0] ** 2) * jnp.ones(arrays[0].shape[0])
+    params = {"loc": jnp.zeros(1), "log_scale": jnp.zeros(1)}
+    eps = jnp.array([[0.5], [2.0]])
+    f = lambda p: jnp.mean(objectives.expected_log_lik_rows(log_lik_rows, p, eps, (jnp.zeros((3, 1)),)))
+    assert not np.isfinite(float(f(params)))
