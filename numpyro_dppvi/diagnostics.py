@@ -9,7 +9,7 @@ units. Round ``t`` moves coordinate ``i`` by
 
 (the history's ``change`` is ``max_i |d_{t,i}|``). A fit with Monte Carlo local steps, or noise,
 never stops moving, so a small change alone proves nothing and a large one may be jitter. Over the
-last ``k`` rounds a coordinate *drifts* when its mean step ``m_i`` is consistently signed,
+last ``k = min(10, max(T // 2, 3))`` of the ``T`` steps seen (two windows from six steps on) a coordinate *drifts* when its mean step ``m_i`` is consistently signed,
 ``|m_i| > t * sd(d_i) / sqrt(k)`` with ``t`` the two-sided Student-t quantile at level
 ``0.05 / (2D)`` with ``k - 1`` degrees of freedom (a t-test per coordinate, Bonferroni-corrected over
 the ``2D`` coordinates so that a fit whose steps are independent noise, e.g. the random walk of a
@@ -38,6 +38,12 @@ CONVERGED_SD = 0.1
 #: Largest sd of a non-private fit's round-to-round steps (posterior sd) for a fit called converged:
 #: above it the final ``q`` is one point of an oscillation or of Monte Carlo noise that large.
 MAX_JITTER_SD = 0.25
+#: A fit is *far* from converged, and warns, when a coordinate's estimated remaining movement or the
+#: round-to-round jitter exceeds this (posterior sd). Between CONVERGED_SD and FAR_SD a fit is reported
+#: as not converged (``result.convergence``, ``summary()``) without a warning: its posterior means are
+#: within half a posterior sd of the fixed point, accurate for practical use, and a warning on every
+#: such fit would teach users to ignore the ones that matter.
+FAR_SD = 0.5
 #: Noise-to-signal ratio of one release above which the noise is said to swamp the signal.
 NOISE_SWAMPS = 1.0
 #: Rounds per window of the drift test (two windows are compared for the rate).
@@ -103,8 +109,8 @@ def convergence(trajectory: list, window: int = WINDOW, max_jitter: float | None
         return out
     d = steps_in_sd(trajectory)
     out["change"] = float(np.max(np.abs(d[-1])))
-    k = min(window, len(d))
-    if k < 3:
+    k = min(window, max(len(d) // 2, 3))  # two windows as soon as there are 6 steps (a rate to extrapolate)
+    if len(d) < k:
         return out
     recent = d[-k:]
     mean = recent.mean(0)
@@ -134,9 +140,14 @@ def convergence(trajectory: list, window: int = WINDOW, max_jitter: float | None
 
 
 def warn_if_unconverged(summary: dict, caller: str, advice: str, jitter_advice: str) -> None:
+    """A :class:`ConvergenceWarning` when the fit stopped *far* from converged (:data:`FAR_SD`)."""
     if summary.get("converged") is not False:
         return
-    if summary["drifting"]:
+    far_drift = summary["drifting"] and not summary["distance"] <= FAR_SD
+    far_jitter = summary["oscillating"] and summary["jitter"] > FAR_SD
+    if not (far_drift or far_jitter):
+        return
+    if far_drift:
         distance = summary["distance"]
         far = ("the steps are not shrinking" if not math.isfinite(distance)
                else f"at the current rate about {distance:.2g} posterior sd remain")

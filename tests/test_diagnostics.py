@@ -81,13 +81,13 @@ def test_slow_fit_warns_and_converged_fit_does_not(tmp_path):
     saved file."""
     clients = linear_clients()
     with pytest.warns(diagnostics.ConvergenceWarning, match="more rounds"):
-        slow = dppvi.fit_dppvi(linear, clients, rounds=20, damping=0.05, local_steps=100,
+        slow = dppvi.fit_dppvi(linear, clients, schedule="synchronous", rounds=20, damping=0.05, local_steps=100,
                                rng_key=jax.random.key(0))
     assert slow.convergence["converged"] is False and slow.convergence["distance"] > 1.0
     assert all(h["change"] >= 0 for h in slow.history)
     with warnings.catch_warnings():
         warnings.simplefilter("error", diagnostics.ConvergenceWarning)
-        fast = dppvi.fit_dppvi(linear, clients, rounds=20, damping=0.5, local_steps=100,
+        fast = dppvi.fit_dppvi(linear, clients, schedule="synchronous", rounds=20, damping=0.5, local_steps=100,
                                rng_key=jax.random.key(0))
     assert fast.convergence["converged"] is True and fast.convergence["drifting"] == 0
     table = slow.summary(num_samples=200)
