@@ -15,12 +15,20 @@ in this order:
 4. The charge, the new factor and the next key number are written durably (:func:`client_store.save`).
 5. Only then the reply: the factor change, data-free diagnostics and the client's ledger.
 
+An exception's text travels to the server (Flower's error reply carries ``str(exception)``), and an
+error raised on the node's rows can name a row or a value (``validate_clients`` names the row of a
+NaN). So every exception other than a :class:`SettingsError` (which names a setting of the node's
+config, never a record) leaves as a :class:`ClientDataError` that names only its type; the full
+text and traceback go to the node's own log (:data:`log`).
+
 ``query.hello`` introduces the client (its id, model signature, size and ledger) without touching
 anything but the shapes of its data.
 """
 
 from __future__ import annotations
 
+import contextlib
+import logging
 import time
 
 import numpy as np
@@ -33,16 +41,36 @@ from . import client_store, local_update
 from .client_store import ClientState
 from .schema import (Identity, Instruction, Reply, decode_hello, decode_instruction, encode_identity,
                      encode_reply)
-from .settings import NodeSettings
+from .settings import NodeSettings, SettingsError
 
 app = ClientApp()
+#: The node's own log: the details of failures on its data are written here and never sent.
+log = logging.getLogger("numpyro_dppvi.flower.client")
+
+
+class ClientDataError(RuntimeError):
+    """A failure of the client on its own data; its details stay in the node's log."""
+
+
+@contextlib.contextmanager
+def details_stay_on_the_node(node: NodeSettings):
+    """Re-raise any exception but a :class:`SettingsError` as a :class:`ClientDataError` naming only
+    its type (module docstring); the original goes to :data:`log` with its traceback."""
+    try:
+        yield
+    except SettingsError:
+        raise
+    except Exception as exc:  # noqa: BLE001 - any text could carry a record's value
+        log.exception("client %s failed on its own data", node.client_id)
+        raise ClientDataError(f"client {node.client_id} failed on its own data ({type(exc).__name__}); the "
+                              "details are in the node's log and are not sent") from None
 
 
 @app.query("hello")
 def hello(message: Message, context: Context) -> Message:
     node = node_settings(context)
     request = decode_hello(message.content)
-    with client_store.locked(node):
+    with details_stay_on_the_node(node), client_store.locked(node):
         state = client_store.load(node)
         if state.num_rows is None:
             record_signature(state, local_update.load_data(node))
@@ -58,7 +86,7 @@ def train(message: Message, context: Context) -> Message:
     node = node_settings(context)
     instruction = decode_instruction(message.content)
     seconds_left = message.metadata.created_at + message.metadata.ttl - time.time()
-    with client_store.locked(node):
+    with details_stay_on_the_node(node), client_store.locked(node):
         state = client_store.load(node)
         reply = take_step(node, state, instruction, seconds_left)
     return Message(encode_reply(reply), reply_to=message)

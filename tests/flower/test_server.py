@@ -72,6 +72,27 @@ def test_a_failing_client_is_reported_with_flowers_error(clients, tmp_path):
     assert result.history[1]["participated"] == [False, True, True]
 
 
+def test_an_error_on_a_clients_rows_tells_the_server_nothing_about_them(clients, tmp_path, caplog):
+    """A NaN planted in row 17 of client 1 after round 1: the node's validation names the row and the
+    array (as fit_dppvi's does), but that text could carry a record's position or value, so the server
+    gets only the exception's type; the node's own log keeps the details."""
+    nodes = [node_config(tmp_path, m, c) for m, c in enumerate(clients)]
+    grid = InProcessGrid(client_app, nodes)
+
+    def plant_nan():
+        x, y = clients[1][0].copy(), clients[1][1]
+        x[17, 2] = np.nan
+        np.savez(nodes[1]["data-file"], x=x, y=y)
+
+    with caplog.at_level("ERROR", logger="numpyro_dppvi.flower.client"):
+        result = run_inprocess(run_config(rounds=2), nodes, grid, report=after_round(1, plant_nan))
+    reason = dropped(result.history[1])[1]
+    assert "ClientDataError" in reason and "ValueError" in reason, reason
+    assert "17" not in reason and "nan" not in reason.lower(), reason
+    assert result.history[1]["participated"] == [True, False, True]
+    assert any("17" in (record.exc_text or "") for record in caplog.records), "the node's log keeps the details"
+
+
 def test_a_spent_budget_stops_that_client_only_and_survives_a_restart(clients, tmp_path):
     nodes = [node_config(tmp_path, m, c, epsilon=1.0 if m == 0 else 4.0) for m, c in enumerate(clients)]
     first = run_inprocess(run_config(rounds=1), nodes)  # calibrated to spend all of client 0's budget
