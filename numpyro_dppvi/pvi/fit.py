@@ -689,20 +689,24 @@ class DPPVI:
         self.convergence = diagnostics.convergence(
             list(trajectory), max_jitter=diagnostics.MAX_JITTER_SD if self.plan is None else None)
         result = self._result(state, history)
-        self._check_updates(result, history, private_history)
+        self._check_updates(result, history)
         if rounds:
             diagnostics.warn_if_unconverged(self.convergence, self.caller,
                                             *convergence_advice(self.caller, self.schedule))
         return result
 
-    def _check_updates(self, result: DPPVIResult, history: list, private_history: list) -> None:
+    def _check_updates(self, result: DPPVIResult, history: list) -> None:
         """Raise :class:`NoValidUpdates` when no client ever produced a valid update (``q`` is the
         prior), warn (:class:`~numpyro_dppvi.diagnostics.ClientUpdateWarning`) naming the clients that
         took part but never updated; both are recorded in ``result.updates`` (per client: rounds taken
-        part, valid updates)."""
+        part, valid updates). Client-level DP: the client sample is private (publishing who took part
+        would void the subsampling amplification), so nothing is counted, warned or raised from it and
+        ``result.updates`` stays ``None``."""
+        if self.privacy_unit == "client":
+            return
         taken, valid = np.zeros(self.num_clients, int), np.zeros(self.num_clients, int)
-        for entry, private in zip(history, private_history):
-            part = entry.get("participated", private.get("participated"))
+        for entry in history:
+            part = entry.get("participated")
             if part is None:
                 continue
             part = np.asarray(part) > 0
@@ -710,13 +714,13 @@ class DPPVI:
             ok[entry.get("failed", [])] = False
             if entry.get("rejected_round"):
                 ok[:] = False
-            ok[entry.get("invalid_clients", private.get("invalid_clients", []))] = False
+            ok[entry.get("invalid_clients", [])] = False
             taken += part
             valid += ok
         result.updates = {"taken_part": taken.tolist(), "valid": valid.tolist()}
         never = np.flatnonzero((taken > 0) & (valid == 0)).tolist()
         if never and len(never) == int(np.sum(taken > 0)):
-            count = "" if self.privacy_unit == "client" else f"{int(taken.sum())} update(s), "
+            count = f"{int(taken.sum())} update(s), "
             raise NoValidUpdates(
                 f"{self.caller}: no client produced a valid update in {len(history)} round(s) ({count}every one "
                 "non-finite or rejected), so q is still the prior. The local objective is "

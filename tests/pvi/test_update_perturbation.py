@@ -203,6 +203,7 @@ def test_client_level_dp_keeps_q_equal_to_prior_times_factors_and_noise(tmp_path
     assert event.sampling == "poisson" and event.rate == 0.5 and event.count == 6
     # the client sample stays private: not in the published history, only in the private checkpoint
     assert all("participated" not in h and "communications" not in h for h in result.history)
+    assert result.updates is None  # per-client counts of rounds taken part would publish the sample too
     from numpyro_dppvi import checkpoint
 
     _, meta = checkpoint.load(tmp_path / "c.ckpt")
