@@ -122,7 +122,7 @@ class ModelAdapter:
         requested = getattr(model_fn, _MARK, None)
         # Two traces, on 2 and on 3 rows, find the plate that follows the number of rows. With fewer
         # than 3 rows in total the rows are repeated: only the shapes matter to the structure.
-        rows = lambda k: [jnp.take(a, jnp.arange(k) % n, axis=0) for a in arrays]
+        rows = lambda k: [np.take(np.asarray(a), np.arange(k) % n, axis=0) for a in arrays]  # host: no device program
         tr2 = self._trace(rows(2), seed=0)
         tr3 = self._trace(rows(3), seed=1)
         self.plate = self._find_privacy_plate(tr2, tr3, requested)
