@@ -17,9 +17,11 @@ in this order:
 
 An exception's text travels to the server (Flower's error reply carries ``str(exception)``), and an
 error raised on the node's rows can name a row or a value (``validate_clients`` names the row of a
-NaN). So every exception other than a :class:`SettingsError` (which names a setting of the node's
-config, never a record) leaves as a :class:`ClientDataError` that names only its type; the full
-text and traceback go to the node's own log (:data:`log`).
+NaN). So an exception raised while the node reads or uses its rows, other than a
+:class:`SettingsError` (which names a setting of the node's config, never a record), leaves as a
+:class:`ClientDataError` that names only its type; the full text and traceback go to the node's own
+log (:data:`log`). Errors before the data are read (a refusal, a state file failing its HMAC) keep
+their text.
 
 ``query.hello`` introduces the client (its id, model signature, size and ledger) without touching
 anything but the shapes of its data.
@@ -70,10 +72,11 @@ def details_stay_on_the_node(node: NodeSettings):
 def hello(message: Message, context: Context) -> Message:
     node = node_settings(context)
     request = decode_hello(message.content)
-    with details_stay_on_the_node(node), client_store.locked(node):
+    with client_store.locked(node):
         state = client_store.load(node)
         if state.num_rows is None:
-            record_signature(state, local_update.load_data(node))
+            with details_stay_on_the_node(node):
+                record_signature(state, local_update.load_data(node))
             client_store.save(state, node)
     model = node.model if request.model == node.model else ""
     identity = Identity(node.client_id, model, tuple(tuple(s) for s in state.row_shapes), tuple(state.row_dtypes),
@@ -86,7 +89,7 @@ def train(message: Message, context: Context) -> Message:
     node = node_settings(context)
     instruction = decode_instruction(message.content)
     seconds_left = message.metadata.created_at + message.metadata.ttl - time.time()
-    with details_stay_on_the_node(node), client_store.locked(node):
+    with client_store.locked(node):
         state = client_store.load(node)
         reply = take_step(node, state, instruction, seconds_left)
     return Message(encode_reply(reply), reply_to=message)
@@ -123,7 +126,8 @@ def take_step(node: NodeSettings, state: ClientState, instruction: Instruction, 
     if refusal is not None:
         return refuse(*refusal)
     if state.num_rows is None:  # a client that never said hello: learn its (public) size first
-        record_signature(state, local_update.load_data(node))
+        with details_stay_on_the_node(node):
+            record_signature(state, local_update.load_data(node))
     plan = None
     if i.method != "pvi":
         plan, why = budget_check(node, state, fit, i)
@@ -133,28 +137,29 @@ def take_step(node: NodeSettings, state: ClientState, instruction: Instruction, 
             return refuse("budget", why)
 
     # -- from here on the client reads its data
-    arrays = local_update.load_data(node)
-    if [list(a.shape[1:]) for a in arrays] != state.row_shapes or arrays[0].shape[0] != state.num_rows:
-        raise ValueError(f"data-file {node.data_file} changed since this client's first message; a client's data "
-                         "and its size are fixed (give changed data a new state-dir and client-id)")
-    adapter = local_update.adapter_for(local_update.load_model(node.model), arrays)
-    if adapter.dim != np.shape(i.q.eta1)[-1]:
-        raise ValueError(f"q has {np.shape(i.q.eta1)[-1]} coordinates but model {node.model} has {adapter.dim} on "
-                         "this data; server and node fit different models")
-    rule = local_update.make_rule(i.method, adapter, i.settings, plan)
-    template = local_update.initial_rule_state(rule, plan, arrays, np.ones(state.num_rows, bool), None)
-    if fit is None:
-        fit = {"fit_id": i.fit_id, "method": i.method, "model": i.model, "settings": i.settings.to_json(),
-               "noise_multiplier": None if plan is None else float(plan.noise_multipliers[0]), "participations": 0}
-        rule_state, own = template, zero
-    else:
-        rule_state, own = local_update.rule_state_from(template, state.rule_leaves), state.factor
-    if node.test_fit_key is not None:  # tests only (NodeSettings checks the environment): fit_dppvi's keys
-        key = local_update.simulated_fit_key(state.seed, i.round - 1, node.test_client_index)
-    else:
-        key = local_update.noise_key(state.seed, state.exchanges)
-    delta, rule_state, loss, finite = local_update.run_update(rule, i.settings.damping, i.q, i.t_m, arrays, key,
-                                                              rule_state)
+    with details_stay_on_the_node(node):  # an error from here on may carry a record: its text stays here
+        arrays = local_update.load_data(node)
+        if [list(a.shape[1:]) for a in arrays] != state.row_shapes or arrays[0].shape[0] != state.num_rows:
+            raise ValueError(f"data-file {node.data_file} changed since this client's first message; a client's data "
+                             "and its size are fixed (give changed data a new state-dir and client-id)")
+        adapter = local_update.adapter_for(local_update.load_model(node.model), arrays)
+        if adapter.dim != np.shape(i.q.eta1)[-1]:
+            raise ValueError(f"q has {np.shape(i.q.eta1)[-1]} coordinates but model {node.model} has {adapter.dim} on "
+                             "this data; server and node fit different models")
+        rule = local_update.make_rule(i.method, adapter, i.settings, plan)
+        template = local_update.initial_rule_state(rule, plan, arrays, np.ones(state.num_rows, bool), None)
+        if fit is None:
+            fit = {"fit_id": i.fit_id, "method": i.method, "model": i.model, "settings": i.settings.to_json(),
+                   "noise_multiplier": None if plan is None else float(plan.noise_multipliers[0]), "participations": 0}
+            rule_state, own = template, zero
+        else:
+            rule_state, own = local_update.rule_state_from(template, state.rule_leaves), state.factor
+        if node.test_fit_key is not None:  # tests only (NodeSettings checks the environment): fit_dppvi's keys
+            key = local_update.simulated_fit_key(state.seed, i.round - 1, node.test_client_index)
+        else:
+            key = local_update.noise_key(state.seed, state.exchanges)
+        delta, rule_state, loss, finite = local_update.run_update(rule, i.settings.damping, i.q, i.t_m, arrays, key,
+                                                                  rule_state)
 
     # -- the charge, written durably before anything leaves the client
     if plan is not None:
