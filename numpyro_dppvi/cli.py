@@ -34,19 +34,10 @@ SPLITS = {"balanced": (0.0, 0.0), "unbalanced": (0.7, -3.0)}
 
 
 def logistic_model():
-    import numpyro
-    import numpyro.distributions as dist
+    """The demo's logistic regression (:func:`numpyro_dppvi.models.logistic_regression`), imported on use."""
+    from .models import logistic_regression
 
-    from .model import model
-
-    @model
-    def logistic(x, y=None):
-        w = numpyro.sample("w", dist.Normal(0.0, 1.0).expand([x.shape[1]]).to_event(1))
-        b = numpyro.sample("b", dist.Normal(0.0, 1.0))
-        with numpyro.plate("data", x.shape[0]):
-            numpyro.sample("y", dist.Bernoulli(logits=x @ w + b), obs=y)
-
-    return logistic
+    return logistic_regression
 
 
 def demo_methods(rounds: int, epsilon: float = 1.0, delta: float = 1e-5):
