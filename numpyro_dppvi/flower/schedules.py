@@ -71,19 +71,28 @@ def _check(coord: Coordinator, before) -> None:
                           "run config, lower damping, learning-rate or local-steps", before)
 
 
+def _send_train(coord: Coordinator, exchange: Exchange, client: ClientRecord, round_timeout: float, log: RoundLog):
+    """Send ``client`` its round instruction; ``None`` (and the reason in ``log``) when it cannot be sent."""
+    if client.node_id is None:
+        log.dropped[client.index] = "unavailable"
+        return None
+    sent = exchange.send(client.node_id, encode_instruction(coord.instruction(client)), TRAIN, round_timeout,
+                         client, group_id=str(coord.round + 1))
+    if sent is None:
+        log.dropped[client.index] = "not sent"
+    return sent
+
+
 def sequential_round(coord: Coordinator, exchange: Exchange, round_timeout: float) -> RoundLog:
     log, before = RoundLog(), coord.result()
     for client in coord.active():
-        if client.node_id is None:
-            log.dropped[client.index] = "unavailable"
+        sent = _send_train(coord, exchange, client, round_timeout, log)
+        if sent is None:
             continue
-        sent = exchange.send(client.node_id, encode_instruction(coord.instruction(client)), TRAIN, round_timeout,
-                             client, group_id=str(coord.round + 1))
-        replies = [] if sent is None else exchange.collect([sent], round_timeout)
+        replies = exchange.collect([sent], round_timeout)
         if not replies:
-            log.dropped[client.index] = "late" if sent is not None else "not sent"
-            if sent is not None:
-                exchange.forget(sent)
+            log.dropped[client.index] = "late"
+            exchange.forget(sent)
             continue
         delta = book(coord, client, replies[0][1], log)
         if delta is not None:
@@ -94,17 +103,8 @@ def sequential_round(coord: Coordinator, exchange: Exchange, round_timeout: floa
 
 def synchronous_round(coord: Coordinator, exchange: Exchange, round_timeout: float) -> RoundLog:
     log, before = RoundLog(), coord.result()
-    sent = []
-    for client in coord.active():
-        if client.node_id is None:
-            log.dropped[client.index] = "unavailable"
-            continue
-        s = exchange.send(client.node_id, encode_instruction(coord.instruction(client)), TRAIN, round_timeout,
-                          client, group_id=str(coord.round + 1))
-        if s is None:
-            log.dropped[client.index] = "not sent"
-        else:
-            sent.append(s)
+    sent = [s for s in (_send_train(coord, exchange, client, round_timeout, log) for client in coord.active())
+            if s is not None]
     replies = exchange.collect(sent, round_timeout)
     answered = {s.message_id for s, _ in replies}
     for s in sent:
