@@ -62,6 +62,16 @@ class Result:
     def is_private(self) -> bool:
         return isinstance(self.privacy, PrivacyLedger)
 
+    @classmethod
+    def load(cls, path, model=None, hmac_key: bytes | None = None) -> "Result":
+        """:func:`load`, refusing a file that holds another kind of result. ``model``: the NumPyro model
+        of the fit (code is never stored; a VIPS ``ConjugateModel`` is rebuilt from the file when
+        omitted)."""
+        result = load(path, model, hmac_key)
+        if not isinstance(result, cls):
+            raise ValueError(f"{path} holds a {type(result).__name__}, not a {cls.__name__}")
+        return result
+
     def sample(self, num_samples: int = 1000, rng_key=None) -> dict:  # pragma: no cover - abstract
         raise NotImplementedError
 
@@ -244,18 +254,9 @@ class DPPVIResult(Result):
         checkpoint.save(path, {"q": self.q}, self.public_meta(), hmac_key=hmac_key)
 
     @classmethod
-    def load(cls, path, model, hmac_key: bytes | None = None) -> "DPPVIResult":
-        """Load a published result; ``model`` is the same NumPyro model function (code is never stored).
-
-        The model is re-traced on zeros shaped like one data row (no data rows are stored).
-        """
-        result = load(path, model, hmac_key)
-        if not isinstance(result, cls):
-            raise ValueError(f"{path} holds a {type(result).__name__}, not a {cls.__name__}")
-        return result
-
-    @classmethod
     def from_saved(cls, arrays, meta, model, path="the file") -> "DPPVIResult":
+        """``model`` is the same NumPyro model function (code is never stored); it is re-traced on
+        zeros shaped like one data row (no data rows are stored)."""
         if model is None:
             raise TypeError(f"loading {path} needs the model: numpyro_dppvi.load(path, model)")
         if meta.get("format") != RESULT_FORMAT:

@@ -11,7 +11,7 @@ import numpy as np
 
 from numpyro_dppvi import checkpoint
 from numpyro_dppvi.privacy import NotPrivate, PrivacyLedger
-from numpyro_dppvi.results import Result, load
+from numpyro_dppvi.results import Result
 from numpyro_dppvi.vips.detect import SiteLayout
 from numpyro_dppvi.vips.engine import ConjugateModelBase, is_conjugate_model, model_from_config
 
@@ -144,17 +144,10 @@ class VIPSResult(Result):
         checkpoint.save(path, {"params": self.params}, meta, hmac_key=hmac_key)
 
     @classmethod
-    def load(cls, path, model=None, hmac_key: bytes | None = None) -> "VIPSResult":
-        """Read a fit written by :meth:`save` (the ledger is restored exactly). ``model``: the NumPyro
-        model of a detected fit (for ``predict``), or the ``ConjugateModel`` itself; by default the
-        model is rebuilt from the saved constructor arguments (package models only)."""
-        result = load(path, model, hmac_key)
-        if not isinstance(result, cls):
-            raise ValueError(f"{path} holds a {type(result).__name__}, not a {cls.__name__}")
-        return result
-
-    @classmethod
     def from_saved(cls, arrays, meta, model, path="the file") -> "VIPSResult":
+        """The ledger is restored exactly. ``model``: the NumPyro model of a detected fit (for
+        ``predict``), or the ``ConjugateModel`` itself; by default the model is rebuilt from the saved
+        constructor arguments (package models only)."""
         if meta.get("format") != _FORMAT:
             raise ValueError(f"{path} is not a saved VIPSResult (format {_FORMAT}).")
         registry = _model_classes()
