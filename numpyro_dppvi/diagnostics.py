@@ -89,10 +89,10 @@ def steps_in_sd(trajectory: list) -> np.ndarray:
     return np.concatenate([np.diff(locs, axis=0) / scale, np.diff(log_scales, axis=0)], axis=1)
 
 
-def change(q_old: factors.Gaussian, q_new: factors.Gaussian) -> float:
-    """``max_i |d_i|`` of one round (module docstring): the history's ``change``."""
-    return float(np.max(np.abs(steps_in_sd([unconstrained_coordinates(q_old), unconstrained_coordinates(q_new)])),
-                        initial=0.0))
+def change(before: tuple, after: tuple) -> float:
+    """``max_i |d_i|`` of one round between two states ``(mu, log s)`` (module docstring): the
+    history's ``change``."""
+    return float(np.max(np.abs(steps_in_sd([before, after])), initial=0.0))
 
 
 def convergence(trajectory: list, window: int = WINDOW, max_jitter: float | None = None) -> dict:

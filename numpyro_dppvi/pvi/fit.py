@@ -675,7 +675,7 @@ class DPPVI:
             jax.block_until_ready(state.q)
             entry, private = self._public_entry(state, metrics, time.perf_counter() - start)
             trajectory.append(diagnostics.unconstrained_coordinates(state.q))
-            entry["change"] = diagnostics.convergence(list(trajectory)[-2:])["change"]
+            entry["change"] = diagnostics.change(trajectory[-2], trajectory[-1])
             if eval_arrays is not None:
                 entry.update(evaluate(self.adapter, state.q, eval_arrays, eval_key))
             if track_epsilon and self.ledger is not None:
