@@ -19,6 +19,7 @@ import numpyro
 import numpyro.distributions as dist
 import optax
 import pytest
+from scipy import stats
 
 import numpyro_dppvi as dppvi
 from numpyro_dppvi import checkpoint, factors, keys
@@ -60,14 +61,21 @@ def test_default_key_replay_no_longer_reveals_the_data_set():
     used), and the published posterior. Attack: rerun the fit without a key on D and on D' and pick
     the one that reproduces the publication. Before: the default key(0) reproduced it exactly on D.
     Now each fit draws its key from the OS: no replay reproduces it, and replays on D are no closer
-    than replays on D' (the distances are the noise's spread)."""
+    than replays on D' (the distances are the noise's spread).
+
+    The keys are the OS's, so this test cannot fix a seed; its second check is a one-sided
+    Mann-Whitney test of 9 replays on D against 9 on D' ("closer on D"), failing at p < 1e-3: a
+    false alarm in about 1 run in 1000 (80 repetitions gave uniform p-values, 5% below 0.05), while
+    the old default key (every replay on D at distance 0) gives p = 8e-5. (A former min/max
+    comparison of 3 against 3 failed in 6% of runs.)"""
     clients = data()
     published = dppvi.fit_dppvi(logistic, clients, **DP)
     assert published.privacy.seed == "os_entropy"
-    on_d = [dist_q(published, dppvi.fit_dppvi(logistic, clients, **DP)) for _ in range(3)]
-    on_d_prime = [dist_q(published, dppvi.fit_dppvi(logistic, neighbour(clients), **DP)) for _ in range(3)]
+    on_d = [dist_q(published, dppvi.fit_dppvi(logistic, clients, **DP)) for _ in range(9)]
+    on_d_prime = [dist_q(published, dppvi.fit_dppvi(logistic, neighbour(clients), **DP)) for _ in range(9)]
     assert min(on_d) > 1e-3, on_d  # no replay reproduces the release
-    assert min(on_d) > 0.1 * max(on_d_prime)  # and D is not singled out
+    closer_on_d = stats.mannwhitneyu(on_d, on_d_prime, alternative="less").pvalue
+    assert closer_on_d > 1e-3, (closer_on_d, on_d, on_d_prime)  # and D is not singled out
 
 
 def test_a_user_key_is_recorded_and_reported_as_the_secret_the_guarantee_rests_on():
