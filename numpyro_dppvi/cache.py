@@ -6,7 +6,8 @@ cross-validation, a resume) reuses the compiled program instead of tracing and c
 The key holds only static, hashable things: functions by identity (the model, an optax optimiser's
 functions), settings, names, shapes and dtypes. A model is traced once per key, so a function whose
 behaviour changes between fits (e.g. through a mutated global) must be passed as a new function
-object. Used by ``pvi`` (model adapters, round programs) and ``vfl``.
+object. Used by ``pvi`` (model adapters, round programs) and ``vfl``. Host values enter through
+:func:`to_device`, which needs no program at all.
 """
 
 from __future__ import annotations
@@ -27,6 +28,19 @@ def shapes(tree) -> tuple:
     return (str(treedef),) + tuple(
         (tuple(np.shape(a)), str(getattr(a, "dtype", np.asarray(a).dtype))) for a in leaves
     )
+
+
+def to_device(x, dtype=None) -> jax.Array:
+    """``jnp.asarray(x, dtype)`` of a host value, without a compiled program.
+
+    ``jnp.asarray`` of a NumPy array runs a copy program compiled per shape and dtype
+    (``jit(stage)``; in a new process each is compiled or read from the persistent cache, about
+    10 ms, dozens in a fit's set-up); ``jax.device_put`` copies the buffer, in JAX's canonical
+    dtype, with none. A JAX array without a ``dtype`` to change is returned as it is.
+    """
+    if isinstance(x, jax.Array) and (dtype is None or x.dtype == dtype):
+        return x
+    return jax.device_put(np.asarray(x) if dtype is None else np.asarray(x, dtype))
 
 
 def cached(key: tuple, build: Callable[[], Callable]) -> Callable:

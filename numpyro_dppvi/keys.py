@@ -23,6 +23,8 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
+from .cache import to_device
+
 #: ``fold_in`` tags of the secrets derived from a fit's key (distinct from any round index).
 SHARD_HASH_TAG = 0x53484152  # "SHAR"
 FINGERPRINT_TAG = 0x46505249  # "FPRI"
@@ -44,7 +46,7 @@ def key_data(rng_key) -> jax.Array:
 
 def secret_key_data() -> jax.Array:
     """64 bits from the operating system's entropy, as threefry key data ``[2]`` uint32."""
-    return jnp.asarray(np.frombuffer(secrets.token_bytes(8), dtype=np.uint32).copy())
+    return to_device(np.frombuffer(secrets.token_bytes(8), dtype=np.uint32).copy())
 
 
 def resolve(rng_key) -> tuple[jax.Array, str]:
@@ -56,7 +58,7 @@ def resolve(rng_key) -> tuple[jax.Array, str]:
 
 def derived_bytes(data, tag: int, num_bytes: int = 32) -> bytes:
     """``num_bytes`` secret bytes for one purpose (``tag``), derived from the fit's key data."""
-    key = jax.random.fold_in(jax.random.wrap_key_data(jnp.asarray(data, jnp.uint32)), tag)
+    key = jax.random.fold_in(jax.random.wrap_key_data(to_device(data, np.uint32)), tag)
     words = jax.random.bits(key, (-(-num_bytes // 4),), dtype=jnp.uint32)
     return np.asarray(words).tobytes()[:num_bytes]
 

@@ -26,6 +26,7 @@ import numpyro.distributions as dist
 from numpyro import handlers
 from numpyro.distributions.transforms import biject_to
 
+from .cache import to_device
 from .factors import Gaussian
 
 _MARK = "_dppvi_privacy_plate"
@@ -74,11 +75,13 @@ def _is_constant_normal(fn) -> bool:
     return type(base) is dist.Normal
 
 
-def _normal_loc_scale(fn, shape):
+def _normal_loc_scale(fn, shape) -> tuple[np.ndarray, np.ndarray]:
+    """The Normal's loc and scale broadcast to ``shape``, on the host (in JAX's default dtype)."""
     base = fn
     while isinstance(base, (dist.Independent, dist.ExpandedDistribution)):
         base = base.base_dist
-    return jnp.broadcast_to(base.loc, shape), jnp.broadcast_to(base.scale, shape)
+    host = lambda v: np.broadcast_to(np.asarray(jnp.asarray(v)), shape)  # a transfer, not a program
+    return host(base.loc), host(base.scale)
 
 
 def _as_arrays(data: Sequence) -> tuple:
@@ -86,7 +89,7 @@ def _as_arrays(data: Sequence) -> tuple:
         data = (data,)
     if not isinstance(data, (tuple, list)) or len(data) == 0:
         raise TypeError("data must be a tuple of arrays, e.g. (x, y), with the individual on axis 0")
-    arrays = tuple(jnp.asarray(a) for a in data)
+    arrays = tuple(to_device(a) for a in data)
     if any(a.ndim == 0 for a in arrays):
         raise ValueError("every data array needs a leading axis over individuals; got a scalar")
     n = {int(a.shape[0]) for a in arrays}
@@ -96,6 +99,43 @@ def _as_arrays(data: Sequence) -> tuple:
             "pass arrays with one row per individual in each"
         )
     return arrays
+
+
+#: Site entries a compiled trace keeps: the static ones, and the arrays ``fn`` and ``value``.
+_STATIC_SITE_FIELDS = ("name", "type", "is_observed", "args", "cond_indep_stack")
+
+
+def compiled_traces(model_fn: Callable, runs: Sequence[tuple[Sequence, int]]) -> list[dict]:
+    """The model's traces (sample and plate sites) on each ``(arrays, seed)`` of ``runs``, computed by
+    one compiled program.
+
+    The same traces as ``handlers.trace(handlers.seed(model_fn, seed)).get_trace(*arrays)`` run
+    eagerly, where every operation is a small program of its own (dozens, each compiled, or read
+    from the persistent cache in a new process: about 0.5 s for a logistic regression). Here the
+    model runs under one ``jit``: static entries (names, plates and their sizes, observed flags)
+    are recorded while tracing, and each sample site's distribution (a pytree) and value are the
+    program's outputs, concrete arrays as in the eager trace. Raises whatever tracing raises (e.g.
+    Python control flow on data values); the caller then traces eagerly.
+    """
+    static: list[dict] = [{} for _ in runs]
+
+    def model_traces(all_arrays):
+        outputs = []
+        for record, arrays, (_, seed) in zip(static, all_arrays, runs):
+            tr = handlers.trace(handlers.seed(model_fn, seed)).get_trace(*arrays)
+            kept = {k: v for k, v in tr.items() if v["type"] in ("sample", "plate")}
+            record.update({k: {f: v.get(f) for f in _STATIC_SITE_FIELDS} for k, v in kept.items()})
+            outputs.append({k: (v["fn"], v["value"]) for k, v in kept.items() if v["type"] == "sample"})
+        return outputs
+
+    concrete = jax.jit(model_traces)([tuple(arrays) for arrays, _ in runs])
+    traces = []
+    for record, arrays_out in zip(static, concrete):
+        trace = {name: dict(site) for name, site in record.items()}
+        for name, (fn, value) in arrays_out.items():
+            trace[name]["fn"], trace[name]["value"] = fn, value
+        traces.append(trace)
+    return traces
 
 
 class ModelAdapter:
@@ -123,10 +163,9 @@ class ModelAdapter:
         # Two traces, on 2 and on 3 rows, find the plate that follows the number of rows. With fewer
         # than 3 rows in total the rows are repeated: only the shapes matter to the structure.
         rows = lambda k: [np.take(np.asarray(a), np.arange(k) % n, axis=0) for a in arrays]  # host: no device program
-        tr2 = self._trace(rows(2), seed=0)
-        tr3 = self._trace(rows(3), seed=1)
+        tr2, tr3 = self._traces([(rows(2), 0), (rows(3), 1)])
         self.plate = self._find_privacy_plate(tr2, tr3, requested)
-        self.example_row = tuple(a[:1] for a in arrays)
+        self.example_row = tuple(np.asarray(a)[:1].copy() for a in arrays)  # host copies, canonical dtypes
         self._classify(tr2, tr3)
 
     @classmethod
@@ -137,9 +176,14 @@ class ModelAdapter:
         return cls(model_fn, example)
 
     # -- tracing -------------------------------------------------------------------------------
-    def _trace(self, arrays, seed):
+    def _traces(self, runs):
+        """Traces on each ``(arrays, seed)``: compiled (:func:`compiled_traces`), else eagerly."""
         try:
-            return handlers.trace(handlers.seed(self.model, seed)).get_trace(*arrays)
+            return compiled_traces(self.model, runs)
+        except Exception:  # noqa: BLE001 - e.g. Python control flow on data values: trace eagerly
+            pass
+        try:
+            return [handlers.trace(handlers.seed(self.model, seed)).get_trace(*arrays) for arrays, seed in runs]
         except Exception as exc:  # the user's model failed: say where
             raise ValueError(f"running the model on example data failed: {type(exc).__name__}: {exc}") from exc
 
@@ -206,19 +250,19 @@ class ModelAdapter:
             gaussian = (
                 _is_constant_normal(fn)
                 and _is_constant_normal(other)
-                and np.allclose(np.asarray(_normal_loc_scale(fn, shape)[0]), np.asarray(_normal_loc_scale(other, shape)[0]))
-                and np.allclose(np.asarray(_normal_loc_scale(fn, shape)[1]), np.asarray(_normal_loc_scale(other, shape)[1]))
+                and all(np.allclose(a, b) for a, b in zip(_normal_loc_scale(fn, shape), _normal_loc_scale(other, shape)))
             )
+            # the prior's natural parameters on the host: a handful of numbers, no device programs
             if gaussian:
                 loc, sc = _normal_loc_scale(fn, shape)
-                prec = 1.0 / jnp.square(sc)
-                prior_eta1.append(jnp.reshape(loc * prec, -1))
-                prior_eta2.append(jnp.reshape(-0.5 * prec, -1))
-                server.append(jnp.zeros(size, bool))
+                prec = sc.dtype.type(1.0) / np.square(sc)
+                prior_eta1.append(np.reshape(loc * prec, -1))
+                prior_eta2.append(np.reshape(prec.dtype.type(-0.5) * prec, -1))
+                server.append(np.zeros(size, bool))
             else:
-                prior_eta1.append(jnp.zeros(size))
-                prior_eta2.append(jnp.zeros(size))
-                server.append(jnp.ones(size, bool))
+                prior_eta1.append(np.zeros(size, np.float32))
+                prior_eta2.append(np.zeros(size, np.float32))
+                server.append(np.ones(size, bool))
             sites.append(Site(name, shape, ushape, offset, size, transform, bool(gaussian)))
             offset += size
         if not observed:
@@ -231,13 +275,15 @@ class ModelAdapter:
         self.sites = tuple(sites)
         self.observed = tuple(observed)
         self.dim = offset
-        self.prior = Gaussian(jnp.concatenate(prior_eta1).astype(jnp.float32), jnp.concatenate(prior_eta2).astype(jnp.float32))
-        self.server_mask = jnp.concatenate(server)
-        self.has_server_factor = bool(np.any(np.asarray(self.server_mask)))
+        self.prior = Gaussian(to_device(np.concatenate(prior_eta1), np.float32),
+                              to_device(np.concatenate(prior_eta2), np.float32))
+        server_mask = np.concatenate(server)
+        self.has_server_factor = bool(np.any(server_mask))
         if self.has_server_factor:
-            self.server_mask = self.server_mask | self._server_density_support()
+            server_mask = server_mask | self._server_density_support()
+        self.server_mask = to_device(server_mask)
 
-    def _server_density_support(self) -> jax.Array:
+    def _server_density_support(self) -> np.ndarray:
         """Coordinates on which :meth:`server_log_density` depends, ``[D]`` bool.
 
         Beyond the non-Gaussian sites themselves, a site with an exact Normal prior can be the parent
@@ -253,7 +299,7 @@ class ModelAdapter:
         for _ in range(3):
             g = np.asarray(grad(jnp.asarray(0.5 * rng.normal(size=self.dim), jnp.float32)))
             support |= ~(g == 0.0)
-        return jnp.asarray(support)
+        return support
 
     # -- layout --------------------------------------------------------------------------------
     @property
@@ -323,6 +369,6 @@ class ModelAdapter:
         for a, ref in zip(arrays, self.example_row):
             if a.shape[1:] != ref.shape[1:]:
                 raise ValueError(f"{what}: row shape {a.shape[1:]} differs from the model's {ref.shape[1:]}")
-            if jnp.issubdtype(a.dtype, jnp.inexact) and not bool(jnp.all(jnp.isfinite(a))):
+            if jnp.issubdtype(a.dtype, jnp.inexact) and not np.all(np.isfinite(np.asarray(a))):
                 raise ValueError(f"{what} contains NaN or inf: remove or impute those rows first")
         return arrays

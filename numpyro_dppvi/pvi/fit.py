@@ -27,7 +27,7 @@ from tqdm.auto import tqdm
 
 from .. import checkpoint as checkpoints
 from .. import diagnostics, factors, keys
-from ..cache import cached, shapes
+from ..cache import cached, shapes, to_device
 from ..data import pad_clients, validate_clients
 from ..evaluation import evaluate
 from ..factors import Gaussian
@@ -168,7 +168,7 @@ def _round(spec: RoundSpec, state: PVIState, data, mask, sizes, limits, server_n
 
 def round_program(spec: RoundSpec) -> Callable:
     """``jit(round)`` for ``spec``, built once per spec in the process (:mod:`numpyro_dppvi.cache`)."""
-    return cached(("pvi-round", spec), lambda: jax.jit(lambda *args: _round(spec, *args)))
+    return cached(("pvi-round", spec), lambda: jax.jit(functools.partial(_round, spec)))
 
 
 def _initial_state(rule, server_step, num_clients, data, mask, key_data, prior, server_mask, extras) -> PVIState:
@@ -374,9 +374,9 @@ class DPPVI:
             self.shard_ids = layout.ids
         else:
             layout = pad_clients(clients)
-        self.data = tuple(jnp.asarray(x) for x in layout.arrays)
-        self.mask = jnp.asarray(layout.mask)
-        self.sizes = jnp.asarray(layout.sizes, jnp.float32)
+        self.data = tuple(to_device(x) for x in layout.arrays)
+        self.mask = to_device(layout.mask)
+        self.sizes = to_device(layout.sizes, np.float32)
         self.public_sizes = np.asarray(layout.sizes, int)
         if self.method == "dp_optimisation":
             self.plan = dp_sgd_plan(p, layout.sizes, self.batch_size, self.local_steps, self.planned_rounds, dimension)
@@ -407,8 +407,8 @@ class DPPVI:
                               self.trusted_aggregator, self.client_rate, None if p is None else p.clip, self.invalid,
                               self.precision_floor, self.num_clients)
         self._program = round_program(self.spec)
-        self._server_noise_std = jnp.asarray(
-            self.plan.noise_std(0) if self.plan is not None and self.plan.kind == "client" else 0.0, jnp.float32)
+        self._server_noise_std = to_device(
+            self.plan.noise_std(0) if self.plan is not None and self.plan.kind == "client" else 0.0, np.float32)
 
     def _signal_terms(self, plan) -> np.ndarray:
         """Per client: clipped contributions summed in one release (see :func:`diagnostics.noise_to_signal`)."""
@@ -472,8 +472,8 @@ class DPPVI:
                                      settings.target_quantile, settings.learning_rate)
                   for z in self.plan.noise_multipliers]
         return {"clip": jax.tree.map(lambda *xs: jnp.stack(xs), *states),
-                "noise_per_clip": jnp.asarray([p.gradient_noise_std(float(z), clip=1.0)
-                                               for z in self.plan.noise_multipliers], jnp.float32)}
+                "noise_per_clip": to_device([p.gradient_noise_std(float(z), clip=1.0)
+                                             for z in self.plan.noise_multipliers], np.float32)}
 
     def init(self, rng_key, clients) -> PVIState:
         """Validate and lay out the clients, trace the model, and return the initial state (``q_0`` = prior).
@@ -499,7 +499,7 @@ class DPPVI:
             extras.update(self._adaptive_clip_state())
         program = cached(("pvi-initial-state", self.rule, self.server_step, m),
                          lambda: jax.jit(functools.partial(_initial_state, self.rule, self.server_step, m)))
-        state = program(self.data, self.mask, jnp.asarray(key_data, jnp.uint32), self.adapter.prior,
+        state = program(self.data, self.mask, to_device(key_data, np.uint32), self.adapter.prior,
                         self.adapter.server_mask, extras)
         self.seed = seed
         self.ledger = None if self.plan is None else self.privacy.ledger(m, self.trusted_aggregator, seed=seed)
@@ -512,10 +512,10 @@ class DPPVI:
     def limits(self, state: PVIState, rounds: int) -> jax.Array:
         """Per-client participation limits for the next ``rounds`` rounds (budget stop rule)."""
         if self.plan is None:
-            return jnp.full(self.num_clients, np.iinfo(np.int32).max, jnp.int32)
+            return to_device(np.full(self.num_clients, np.iinfo(np.int32).max, np.int32))
         horizon = int(rounds) * (self.num_clients if self.schedule == "asynchronous" else 1)
         limits = self.plan.limits(self.ledger, np.asarray(state.participations), max(horizon, 1))
-        return jnp.asarray(np.minimum(limits, np.iinfo(np.int32).max), jnp.int32)
+        return to_device(np.minimum(limits, np.iinfo(np.int32).max), np.int32)
 
     def round(self, state: PVIState, limits=None) -> tuple[PVIState, dict]:
         """One round (raises, keeping ``state`` untouched, when the round would make ``q`` or a cavity
@@ -659,7 +659,7 @@ class DPPVI:
         history = list(history or [])
         private_history = list(private_history or [])
         eval_arrays = None if eval_data is None else self.adapter.validate_data(eval_data, "eval_data")
-        eval_key = jax.random.fold_in(jax.random.wrap_key_data(state.key), 0x5EED)
+        eval_key = None if eval_data is None else jax.random.fold_in(jax.random.wrap_key_data(state.key), 0x5EED)
         limits = self.limits(state, rounds)
         trajectory = collections.deque([diagnostics.unconstrained_coordinates(state.q)],
                                        maxlen=2 * diagnostics.WINDOW + 1)
@@ -748,7 +748,7 @@ class DPPVI:
         saved = meta["settings"]
         if saved.get("planned_rounds") is not None and self.planned_rounds != saved["planned_rounds"]:
             self.planned_rounds = saved["planned_rounds"]  # the noise was calibrated for the original plan
-        key_data = jnp.asarray(arrays[".key"])
+        key_data = to_device(arrays[".key"], np.uint32)
         if rng_key is not None and not np.array_equal(np.asarray(keys.key_data(rng_key)), np.asarray(key_data)):
             raise ValueError(f"rng_key differs from the key of the fit saved in {path}; a resumed fit continues "
                              "with its own key: drop rng_key")

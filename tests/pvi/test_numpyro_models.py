@@ -33,6 +33,7 @@ with 10 steps of ``lr = 1e-2`` and 0.1-0.25 sd with 50 steps of ``lr = 5e-3``.
 
 from __future__ import annotations
 
+import importlib
 import time
 import warnings
 
@@ -477,3 +478,80 @@ def test_server_step_fixed_point_is_the_vi_optimum():
     loc, sd = dppvi.factors.to_loc_scale(step.update(q, cavity, jax.random.key(0)))
     np.testing.assert_allclose(loc, [best.x[0]], atol=0.02)
     np.testing.assert_allclose(sd, [np.exp(best.x[1])], rtol=0.02)
+
+
+# --------------------------------------------------------------------------- compiled model traces
+
+
+@dppvi.model
+def bounded(x, y=None):
+    """A Uniform prior whose bounds are arrays made inside the model: its support (and so the site's
+    transform) must hold concrete arrays, never values of the compiled trace."""
+    lower, upper = jnp.zeros(x.shape[1]), 3.0 * jnp.ones(x.shape[1])
+    w = numpyro.sample("w", dist.Uniform(lower, upper).to_event(1))
+    with numpyro.plate("data", x.shape[0]):
+        numpyro.sample("y", dist.Bernoulli(logits=x @ (w - 1.5)), obs=y)
+
+
+TRACED = {**{name: (model, make_data) for name, (model, make_data, _, _) in MODELS.items()},
+          "bounded": (bounded, logistic_data)}
+
+
+def adapter_layout(a: ModelAdapter) -> dict:
+    return dict(plate=a.plate, observed=a.observed, bernoulli=a.bernoulli_observed,
+                has_server_factor=a.has_server_factor,
+                sites=[(s.name, s.shape, s.unconstrained_shape, s.offset, s.size, type(s.transform), s.gaussian_prior)
+                       for s in a.sites],
+                rows=[(r.shape, r.dtype) for r in a.example_row])
+
+
+@pytest.mark.parametrize("name", list(TRACED))
+def test_the_compiled_model_trace_gives_the_eager_traces_adapter(name, monkeypatch):
+    """``ModelAdapter`` traces the model in one compiled program (``compiled_traces``) instead of
+    running it eagerly (dozens of small programs). The adapter must be the same, bit for bit: layout,
+    prior, server mask, transforms and per-example log-likelihood."""
+    model_module = importlib.import_module("numpyro_dppvi.model")  # the module, not dppvi.model
+    model, make_data = TRACED[name]
+    data = make_data()
+    rows = tuple(np.asarray(a)[:3] for a in data)
+    used = []
+    original = model_module.compiled_traces
+    monkeypatch.setattr(model_module, "compiled_traces", lambda *a: used.append(1) or original(*a))
+    compiled = ModelAdapter(model, rows)
+    assert used == [1]
+
+    def refuse(*args):
+        raise RuntimeError("trace eagerly")
+
+    monkeypatch.setattr(model_module, "compiled_traces", refuse)
+    eager = ModelAdapter(model, rows)
+    assert adapter_layout(compiled) == adapter_layout(eager)
+    for a, b in [(compiled.prior.eta1, eager.prior.eta1), (compiled.prior.eta2, eager.prior.eta2),
+                 (compiled.server_mask, eager.server_mask)]:
+        assert np.asarray(a).dtype == np.asarray(b).dtype
+        np.testing.assert_array_equal(a, b)
+    u = jax.random.normal(jax.random.key(3), (compiled.dim,))
+    for site, value in compiled.constrain(u).items():
+        np.testing.assert_array_equal(value, eager.constrain(u)[site])
+    np.testing.assert_array_equal(jax.jit(compiled.log_lik_rows)(u, rows), jax.jit(eager.log_lik_rows)(u, rows))
+
+
+def test_a_model_the_compiler_cannot_trace_is_traced_eagerly():
+    """Python control flow on data values cannot be compiled; the adapter then runs the model eagerly
+    (the same adapter as before the compiled trace existed)."""
+
+    @dppvi.model
+    def checks_its_data(x, y=None):
+        if float(jnp.max(jnp.abs(x))) > 1e6:
+            raise ValueError("implausible inputs")
+        return logistic(x, y)
+
+    data = logistic_data()
+    adapter = ModelAdapter(checks_its_data, data)
+    assert [s.name for s in adapter.sites] == ["w", "b"] and adapter.plate == "data"
+
+
+def test_a_fit_with_array_bounds_made_inside_the_model_runs():
+    result = dppvi.fit_dppvi(bounded, split(logistic_data()), rounds=2, local_steps=5, num_samples=2)
+    w = np.asarray(result.sample(200, jax.random.key(0))["w"])
+    assert np.all((w > 0) & (w < 3))
