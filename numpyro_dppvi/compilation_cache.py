@@ -3,8 +3,8 @@
 Within one process the package reuses its traced models and compiled rounds (:mod:`.cache`). Across
 processes, :func:`enable_compilation_cache` makes JAX write every compiled program to a folder and
 read it back in later processes, so a fresh process that runs a fit of a structure seen before skips
-XLA compilation (tracing still runs). Solved noise calibrations are kept there too
-(``calibrations.json``; each is checked against its budget before it is used). The ``dppvi``
+XLA compilation (tracing still runs). The accountant's answers (epsilons and solved noise
+calibrations) are kept there too, signed (:mod:`numpyro_dppvi.privacy.accounting_memo`). The ``dppvi``
 command turns it on; libraries and notebooks opt in.
 
 The folder: ``path``, else ``$NUMPYRO_DPPVI_CACHE``, else ``~/.cache/numpyro_dppvi/jax``: the cache
@@ -20,7 +20,7 @@ from pathlib import Path
 
 import jax
 
-from .privacy import calibration
+from .privacy import accounting_memo
 
 CACHE_ENV = "NUMPYRO_DPPVI_CACHE"
 
@@ -39,5 +39,5 @@ def enable_compilation_cache(path: str | os.PathLike | None = None) -> Path:
     jax.config.update("jax_compilation_cache_dir", str(folder))
     jax.config.update("jax_persistent_cache_min_compile_time_secs", 0.0)
     jax.config.update("jax_persistent_cache_min_entry_size_bytes", 0)
-    calibration.persistent_memo = folder / "calibrations.json"
+    accounting_memo.use(folder)
     return folder

@@ -33,6 +33,7 @@ import logging
 import math
 from typing import Iterable, Sequence
 
+from . import accounting_memo
 from .events import GaussianEvent, check_neighbouring, merge_events
 
 BACKENDS = ("pld", "rdp", "autodp")
@@ -112,7 +113,9 @@ def epsilon(
     ``pld_discretization`` (PLD only): coarser values are faster and remain upper bounds
     (pessimistic rounding), slightly less tight; the ledger always uses the default.
 
-    Results are memoised per (events, delta, relation, backend, grid) in the process, and PLD
+    Results are memoised per (events, delta, relation, backend, grid) in the process (and across
+    processes in a signed file once :func:`numpyro_dppvi.enable_compilation_cache` is on:
+    :mod:`.accounting_memo`; the same float either way), and PLD
     builds the PLD of one release once per (noise, sampling, rate, relation, grid) and composes it
     for each count exactly as ``dp_accounting``'s accountant does (bit-identical epsilons): a
     ledger, a budget stop rule and a calibration asking the same question pay for it once.
@@ -128,13 +131,20 @@ def epsilon(
 
 @functools.lru_cache(maxsize=4096)
 def _epsilon(events: tuple, delta: float, neighbouring: str, backend: str, discretization: float) -> float:
+    question = repr(("epsilon", tuple((float(z), s, float(q), int(c)) for z, s, q, c in events), float(delta),
+                     neighbouring, backend, float(discretization)))
+    kept = accounting_memo.load(question)  # an earlier process's answer (signed; opt-in)
+    if kept is not None:
+        return kept
     if backend == "pld":
         value = _pld_epsilon(events, delta, neighbouring, discretization)
     elif backend == "rdp":
         value = _rdp_epsilon([_event(*e) for e in events], delta, neighbouring)
     else:
         value = _autodp_epsilon([_event(*e) for e in events], delta)
-    return max(float(value), 0.0)
+    value = max(float(value), 0.0)
+    accounting_memo.store(question, value)
+    return value
 
 
 def _event(noise_multiplier, sampling, rate, count) -> GaussianEvent:

@@ -13,14 +13,11 @@ returned: its epsilon, computed with the chosen backend on the ledger's grid, is
 
 from __future__ import annotations
 
-import json
 import math
-import os
 from collections import OrderedDict
-from pathlib import Path
 from typing import Callable, Sequence, Union
 
-from . import backends
+from . import accounting_memo, backends
 from .events import GaussianEvent, check_neighbouring
 
 Plan = Union[Sequence[GaussianEvent], Callable[[float], Sequence]]
@@ -147,37 +144,15 @@ def clear_memo() -> None:
     backends._gaussian_pld.cache_clear()
 
 
-#: A JSON file where solved calibrations persist across processes (set by
-#: :func:`numpyro_dppvi.enable_compilation_cache`); ``None``: in-process memo only.
-persistent_memo: Path | None = None
-
-
 def _from_disk(memo_key) -> float | None:
-    """A calibration solved by an earlier process. Never trusted blindly: the caller checks on the
-    ledger's grid that it meets the budget before using it (a stale or edited file costs a search)."""
-    if persistent_memo is None:
-        return None
-    try:
-        value = json.loads(persistent_memo.read_text()).get(repr(memo_key))
-    except (OSError, ValueError):
-        return None
-    return float(value) if isinstance(value, (int, float)) and math.isfinite(value) and value > 0 else None
+    """A calibration solved by an earlier process (:mod:`.accounting_memo`, signed). Still checked
+    against the budget by the caller before it is used."""
+    value = accounting_memo.load(repr(("calibration", memo_key)))
+    return value if value is not None and value > 0 else None
 
 
 def _to_disk(memo_key, sigma: float) -> None:
-    if persistent_memo is None:
-        return
-    try:
-        entries = json.loads(persistent_memo.read_text()) if persistent_memo.exists() else {}
-    except (OSError, ValueError):
-        entries = {}
-    entries[repr(memo_key)] = sigma
-    tmp = persistent_memo.with_suffix(f".{os.getpid()}.tmp")
-    try:
-        tmp.write_text(json.dumps(entries))
-        os.replace(tmp, persistent_memo)
-    except OSError:  # a read-only cache folder: the memo stays in this process
-        pass
+    accounting_memo.store(repr(("calibration", memo_key)), float(sigma))
 
 
 def _calibrate(epsilon, delta, plan_fn, neighbouring, backend, rtol) -> float:

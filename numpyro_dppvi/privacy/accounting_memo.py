@@ -1,0 +1,121 @@
+"""Accountant results kept across processes: a signed memo on disk (opt-in).
+
+The PLD accountant is exact and slow: one epsilon of the Adult plan (a Poisson-subsampled Gaussian
+at rate 0.025, 100 compositions, on the ledger's 1e-4 grid) takes about 0.5 s, as long as the rest
+of a fit's set-up. Within a process :mod:`.backends` and :mod:`.calibration` memoise their answers;
+with :func:`use` (called by :func:`numpyro_dppvi.enable_compilation_cache`) they also keep them in
+``accounting.json`` in the cache folder, so a new process asking the same question reads the
+answer instead of computing it again.
+
+An answer is a pure function of its question, so a kept value is exactly the value the accountant
+would return (a float written with ``repr`` reads back bit for bit): the ledger's epsilon is the
+same to the last digit whether computed or read. Each entry is bound to its question, to the
+versions of the accountant libraries and to :data:`FORMAT` by an HMAC-SHA256 under a secret of 32
+random bytes in ``accounting.key`` (created with mode 0600 in a folder of mode 0700). An entry
+that does not verify (edited, copied from another folder or user, written by another version) is
+ignored and the answer computed again; a folder that cannot be written leaves the memo in the
+process. Anyone who can read the secret can also replace the compiled programs that JAX loads from
+the same folder, so this memo is trusted exactly as far as JAX's compilation cache is.
+"""
+
+from __future__ import annotations
+
+import functools
+import hashlib
+import hmac
+import json
+import math
+import os
+import secrets
+from importlib import metadata
+from pathlib import Path
+
+#: Bumped whenever what a question means changes (units, defaults of the accountant calls).
+FORMAT = "numpyro_dppvi accounting memo 1"
+MEMO_FILE = "accounting.json"
+KEY_FILE = "accounting.key"
+
+_folder: Path | None = None
+
+
+def use(folder: str | os.PathLike | None) -> None:
+    """Keep answers in ``folder`` from now on (``None``: in this process only)."""
+    global _folder
+    _folder = None if folder is None else Path(folder)
+
+
+@functools.lru_cache(maxsize=1)
+def _versions() -> str:
+    out = []
+    for package in ("dp-accounting", "autodp"):
+        try:
+            out.append(f"{package} {metadata.version(package)}")
+        except metadata.PackageNotFoundError:
+            out.append(f"{package} absent")
+    return "; ".join(out)
+
+
+def _secret(create: bool) -> bytes | None:
+    path = _folder / KEY_FILE
+    try:
+        data = path.read_bytes()
+        return data if len(data) == 32 else None
+    except FileNotFoundError:
+        if not create:
+            return None
+    except OSError:
+        return None
+    try:
+        _folder.mkdir(mode=0o700, parents=True, exist_ok=True)
+        fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o600)
+    except FileExistsError:  # another process made it first
+        return _secret(create=False)
+    except OSError:
+        return None
+    with os.fdopen(fd, "wb") as f:
+        f.write(secrets.token_bytes(32))
+    return _secret(create=False)
+
+
+def _tag(secret: bytes, question: str, value: float) -> str:
+    message = f"{FORMAT}\n{_versions()}\n{question}\n{value!r}".encode()
+    return hmac.new(secret, message, hashlib.sha256).hexdigest()
+
+
+def _entries() -> dict:
+    try:
+        entries = json.loads((_folder / MEMO_FILE).read_text())
+    except (OSError, ValueError):
+        return {}
+    return entries if isinstance(entries, dict) else {}
+
+
+def load(question: str) -> float | None:
+    """The kept answer to ``question`` if one verifies, else ``None``."""
+    if _folder is None:
+        return None
+    entry = _entries().get(question)
+    secret = _secret(create=False)
+    if secret is None or not isinstance(entry, dict):
+        return None
+    value, tag = entry.get("value"), entry.get("hmac")
+    if not isinstance(value, float) or not math.isfinite(value) or not isinstance(tag, str):
+        return None
+    return value if hmac.compare_digest(tag, _tag(secret, question, value)) else None
+
+
+def store(question: str, value: float) -> None:
+    """Keep ``value`` as the answer to ``question`` (silently in-process only if the folder is read-only)."""
+    if _folder is None or not math.isfinite(value):
+        return
+    secret = _secret(create=True)
+    if secret is None:
+        return
+    entries = _entries()
+    entries[question] = {"value": float(value), "hmac": _tag(secret, question, float(value))}
+    tmp = _folder / f"{MEMO_FILE}.{os.getpid()}.tmp"
+    try:
+        tmp.write_text(json.dumps(entries))
+        os.replace(tmp, _folder / MEMO_FILE)
+    except OSError:
+        tmp.unlink(missing_ok=True)
