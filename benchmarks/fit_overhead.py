@@ -11,8 +11,9 @@ Carlo draws, damping 0.5 (the DP-PVI paper's setting); and the same fit without 
 * ``numpyro_svi``: NumPyro's ``SVI.run`` (AutoNormal, ``Trace_ELBO(num_particles=10)``, optax Adam
   1e-2, a ``plate`` subsampling 100 rows, 1000 steps, which it runs as one ``lax.scan``) on the
   pooled data: the same number of gradient steps, batch and draws;
-* ``fresh_process_warm_cache``: the first ``fit_dppvi`` of a new Python process whose persistent
-  compilation cache (``dppvi.enable_compilation_cache``) was filled by an earlier process.
+* ``fresh_process``: the first ``fit_dppvi`` of a new Python process whose persistent cache
+  (``dppvi.enable_compilation_cache``: compiled programs and the accountant's answers) was filled
+  by an earlier process (median of three new processes), and with an empty cache.
 
 Ratios (targets of issue 13): fit / rounds <= 1.3; DP fit / SVI <= 3; non-private fit / SVI <= 2;
 fresh process with a warm cache / second call <= 2.
@@ -127,9 +128,9 @@ def main(repeats: int = 15):
     results["non_private_fit_over_svi"] = results["non_private"]["fit_second_call"]["median_s"] / svi["median_s"]
     with tempfile.TemporaryDirectory() as cache:
         cold = fresh_process_first_call(cache)  # fills the cache
-        warm = fresh_process_first_call(cache)
-    results["fresh_process"] = {"empty_cache_s": cold, "warm_cache_s": warm,
-                                "warm_over_second_call": warm / results["private"]["fit_second_call"]["median_s"]}
+        warm = [fresh_process_first_call(cache) for _ in range(3)]
+    results["fresh_process"] = {"empty_cache_s": cold, "warm_cache_s": float(np.median(warm)), "warm_cache_all_s": warm,
+                                "warm_over_second_call": float(np.median(warm)) / results["private"]["fit_second_call"]["median_s"]}
     targets = {"fit_over_rounds <= 1.3": results["private"]["fit_over_rounds"] <= 1.3,
                "dp_fit_over_svi <= 3": results["dp_fit_over_svi"] <= 3.0,
                "non_private_fit_over_svi <= 2": results["non_private_fit_over_svi"] <= 2.0,

@@ -6,6 +6,11 @@ second ``fit_dppvi`` of the same model, settings and data shapes (and a resume, 
 program is built once per structure (``numpyro_dppvi.cache``).
 """
 
+import json
+import os
+import subprocess
+import sys
+
 import jax
 import numpy as np
 import pytest
@@ -44,3 +49,57 @@ def test_a_second_fit_of_the_same_structure_compiles_nothing(options, tmp_path):
     # a different structure (more clients) does compile: the check can fail
     dppvi.fit_dppvi(logistic, clients(0) + clients(1), **kwargs)
     assert COMPILE_EVENTS
+
+
+_NEW_PROCESS = r"""
+import json, logging, re, sys
+import jax
+import numpy as np
+import numpyro_dppvi as dppvi
+from numpyro_dppvi.models import logistic_regression
+from numpyro_dppvi.privacy import Privacy, backends
+
+dppvi.enable_compilation_cache(sys.argv[1])
+programs, computed = [], []
+
+
+class Programs(logging.Handler):
+    def emit(self, record):
+        found = re.match(r"Finished tracing (\S+) for jit", record.getMessage())
+        if found:
+            programs.append(found.group(1))
+
+
+jax.config.update("jax_log_compiles", True)
+logging.getLogger("jax").addHandler(Programs())
+logging.getLogger("jax").setLevel(logging.DEBUG)
+pld = backends._pld_epsilon
+backends._pld_epsilon = lambda *args: computed.append(args) or pld(*args)
+rng = np.random.default_rng(0)
+x = rng.normal(size=(240, 3)).astype(np.float32)
+y = (rng.uniform(size=240) < 1 / (1 + np.exp(-x @ np.array([1.0, -1.0, 0.5])))).astype(np.float32)
+result = dppvi.fit_dppvi(logistic_regression, dppvi.partition((x, y), num_clients=3, seed=0),
+                         method="dp_optimisation", privacy=Privacy(epsilon=1.0, delta=1e-5, clip=1.0),
+                         rounds=2, local_steps=3, batch_size=20, num_samples=2)
+print(json.dumps({"programs": programs, "accountant_runs": len(computed),
+                  "epsilon": result.privacy.epsilon.hex()}))
+"""
+
+
+def first_fit_in_a_new_process(cache) -> dict:
+    out = subprocess.run([sys.executable, "-c", _NEW_PROCESS, str(cache)], check=True, capture_output=True,
+                         text=True, env=dict(os.environ, JAX_PLATFORMS="cpu"))
+    return json.loads(out.stdout.strip().splitlines()[-1])
+
+
+def test_the_first_fit_of_a_new_process_compiles_only_its_own_programs_and_reads_its_accounting(tmp_path):
+    """A new process pays for the fit's own programs only: the model's traces, the initial state and
+    the round (set-up by transfers, not by dozens of one-operation programs: 61 before issue 13's
+    second pass); with a persistent cache filled by an earlier process it computes no PLD (the
+    accountant's answers are read, signed) and its ledger reports the same epsilon to the last bit."""
+    empty = first_fit_in_a_new_process(tmp_path / "cache")
+    warm = first_fit_in_a_new_process(tmp_path / "cache")
+    for run in (empty, warm):
+        assert sorted(run["programs"]) == ["_initial_state", "_round", "model_traces"]
+    assert empty["accountant_runs"] >= 1 and warm["accountant_runs"] == 0
+    assert warm["epsilon"] == empty["epsilon"]
