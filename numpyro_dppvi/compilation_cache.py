@@ -35,7 +35,7 @@ def enable_compilation_cache(path: str | os.PathLike | None = None) -> Path:
     """Turn on JAX's persistent compilation cache in ``path`` (default :func:`default_cache_dir`) for
     every program, however quick to compile; returns the folder. Safe to call more than once."""
     folder = Path(path) if path is not None else default_cache_dir()
-    folder.mkdir(parents=True, exist_ok=True)
+    folder.mkdir(mode=0o700, parents=True, exist_ok=True)  # this user's: the accountant memo needs it so
     jax.config.update("jax_compilation_cache_dir", str(folder))
     jax.config.update("jax_persistent_cache_min_compile_time_secs", 0.0)
     jax.config.update("jax_persistent_cache_min_entry_size_bytes", 0)

@@ -11,7 +11,8 @@ An answer is a pure function of its question, so a kept value is exactly the val
 would return (a float written with ``repr`` reads back bit for bit): the ledger's epsilon is the
 same to the last digit whether computed or read. Each entry is bound to its question, to the
 versions of the accountant libraries and to :data:`FORMAT` by an HMAC-SHA256 under a secret of 32
-random bytes in ``accounting.key`` (created with mode 0600 in a folder of mode 0700). An entry
+random bytes in ``accounting.key`` (created with mode 0600 in a folder of mode 0700; a secret or a
+folder that another user owns, may write or may read turns the memo off). An entry
 that does not verify (edited, copied from another folder or user, written by another version) is
 ignored and the answer computed again; a folder that cannot be written leaves the memo in the
 process. Anyone who can read the secret can also replace the compiled programs that JAX loads from
@@ -55,9 +56,23 @@ def _versions() -> str:
     return "; ".join(out)
 
 
+def _private(path: Path, forbidden_mode: int) -> bool:
+    """``path`` belongs to this user and grants nobody else ``forbidden_mode``. Without POSIX owners
+    (Windows) the folder's access control lists decide."""
+    if not hasattr(os, "getuid"):
+        return True
+    status = path.stat()
+    return status.st_uid == os.getuid() and not status.st_mode & forbidden_mode
+
+
 def _secret(create: bool) -> bytes | None:
+    """The memo's secret; ``None`` (no memo on disk) unless the folder is writable by this user only
+    and the secret readable by this user only: else another user could swap in a secret of theirs
+    and sign any answer."""
     path = _folder / KEY_FILE
     try:
+        if not _private(_folder, 0o022) or not _private(path, 0o077):
+            return None
         data = path.read_bytes()
         return data if len(data) == 32 else None
     except FileNotFoundError:

@@ -114,3 +114,18 @@ def test_a_kept_calibration_is_used_only_if_it_meets_the_budget(memo, monkeypatc
     monkeypatch.setattr(calibration, "_calibrate", lambda *a: searched.append(a) or sigma)
     assert calibration.calibrate_noise(1.0, DELTA, plan) == sigma
     assert len(searched) == 1
+
+
+@pytest.mark.parametrize("opened", ["folder writable by others", "secret readable by others"])
+def test_a_folder_or_secret_others_can_touch_turns_the_memo_off(memo, tmp_path, opened):
+    """Another user who may write the folder could replace the secret with theirs and sign any
+    answer; one who may read the secret could forge entries: either way nothing kept is used."""
+    folder = tmp_path / "cache"
+    epsilon()
+    if opened == "folder writable by others":
+        folder.chmod(0o777)
+    else:
+        (folder / accounting_memo.KEY_FILE).chmod(0o644)
+    calibration.clear_memo()
+    epsilon()
+    assert len(memo) == 2  # computed again: the kept answer was not trusted

@@ -356,3 +356,58 @@ def _rows(layout, k):
 
     rows = np.concatenate([layout.arrays[0][0, k], layout.arrays[1][0, k][:, None]], axis=1)[layout.mask[0, k]]
     return Counter(map(tuple, rows))
+
+
+_CACHE_WRITER = r"""
+import sys
+import jax.numpy as jnp
+import numpy as np
+import numpyro
+import numpyro.distributions as dist
+import numpyro_dppvi as dppvi
+
+dppvi.enable_compilation_cache(sys.argv[1])
+
+
+@dppvi.model
+def scaled_poisson(x, y=None):
+    tau = numpyro.sample("tau", dist.HalfNormal(1.7320508))  # not Gaussian: the server factor runs the model
+    w = numpyro.sample("w", dist.Normal(0.0, tau).expand([x.shape[1]]).to_event(1))
+    with numpyro.plate("data", x.shape[0]):
+        numpyro.sample("y", dist.Poisson(jnp.exp(x @ w)), obs=y)
+
+
+x = np.load(sys.argv[2])
+y = np.zeros(len(x), np.float32)
+dppvi.fit_dppvi(scaled_poisson, dppvi.partition((x, y), num_clients=2, seed=0), rounds=1, local_steps=2, num_samples=2)
+"""
+
+
+def _cache_entries(folder):
+    try:
+        import zstandard  # JAX compresses with zstandard when it is installed, else zlib
+        decompress = zstandard.ZstdDecompressor().decompress
+    except ImportError:
+        import zlib
+        decompress = zlib.decompress
+    return [decompress(path.read_bytes()) for path in folder.glob("*-cache")]
+
+
+def test_the_persistent_compilation_cache_holds_no_data_row(tmp_path):
+    """The model is traced, and a non-Gaussian prior evaluated, on real rows; the data are arguments
+    of the compiled programs, never constants, so the programs JAX writes to disk
+    (``enable_compilation_cache``) hold no row. Planted rows of distinctive values are searched for
+    in every decompressed entry; the prior's constant 1.7320508 is found (the search can succeed)."""
+    import subprocess
+    import sys
+
+    rng = np.random.default_rng(7)
+    x = rng.normal(size=(40, 3)).astype(np.float32)  # 12 random bytes a row: no program holds them by chance
+    np.save(tmp_path / "x.npy", x)
+    cache = tmp_path / "cache"
+    subprocess.run([sys.executable, "-c", _CACHE_WRITER, str(cache), str(tmp_path / "x.npy")], check=True,
+                   capture_output=True, env=dict(os.environ, JAX_PLATFORMS="cpu"))
+    entries = _cache_entries(cache)
+    assert entries and any(np.float32(1.7320508).tobytes() in e for e in entries)
+    for row in x:  # 12 contiguous bytes, as a constant row would be stored
+        assert not any(row.tobytes() in e for e in entries)
