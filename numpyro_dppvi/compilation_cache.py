@@ -10,7 +10,9 @@ command turns it on; libraries and notebooks opt in.
 The folder: ``path``, else ``$NUMPYRO_DPPVI_CACHE``, else ``~/.cache/numpyro_dppvi/jax``: the cache
 folder beside the default data home, never inside a shared data home such as
 ``NUMPYRO_DPPVI_DATA`` (which may be read-only or shared between users). Compiled programs hold no
-data and no keys: the data and keys are arguments of the programs, not constants folded into them.
+data and no keys: the data and keys are arguments of the programs, not constants folded into them
+(tested by searching every entry for planted rows; a model that closes over data rows itself
+would put them there).
 """
 
 from __future__ import annotations
