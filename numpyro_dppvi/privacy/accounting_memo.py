@@ -35,6 +35,7 @@ from pathlib import Path
 FORMAT = "numpyro_dppvi accounting memo 1"
 MEMO_FILE = "accounting.json"
 KEY_FILE = "accounting.key"
+MAX_ENTRIES = 4096
 
 _folder: Path | None = None
 
@@ -127,7 +128,10 @@ def store(question: str, value: float) -> None:
     if secret is None:
         return
     entries = _entries()
+    entries.pop(question, None)
     entries[question] = {"value": float(value), "hmac": _tag(secret, question, float(value))}
+    for oldest in list(entries)[:-MAX_ENTRIES]:  # a bounded file: the oldest answers go first
+        del entries[oldest]
     tmp = _folder / f"{MEMO_FILE}.{os.getpid()}.tmp"
     try:
         tmp.write_text(json.dumps(entries))

@@ -129,3 +129,11 @@ def test_a_folder_or_secret_others_can_touch_turns_the_memo_off(memo, tmp_path, 
     calibration.clear_memo()
     epsilon()
     assert len(memo) == 2  # computed again: the kept answer was not trusted
+
+
+def test_the_file_keeps_the_newest_answers_only(memo, tmp_path, monkeypatch):
+    monkeypatch.setattr(accounting_memo, "MAX_ENTRIES", 3)
+    for i in range(5):
+        accounting_memo.store(f"question {i}", float(i))
+    assert list(entries(tmp_path / "cache")) == ["question 2", "question 3", "question 4"]
+    assert accounting_memo.load("question 4") == 4.0 and accounting_memo.load("question 0") is None
