@@ -6,11 +6,19 @@ import pytest  # noqa: E402
 
 
 @pytest.fixture(scope="session", autouse=True)
-def _cache_outside_home(tmp_path_factory):
-    """The command line turns on the persistent caches (``dppvi.enable_compilation_cache``): in tests
-    they live in a temporary folder, never in the user's home, and start empty in every run."""
+def _persistent_cache_outside_home(tmp_path_factory):
+    """JAX's persistent compilation cache on for the whole session, in a temporary folder (never the
+    user's home; empty in every run): tests build many programs identical to earlier ones through
+    new function objects, and the cache spares their compilation. ``dppvi`` commands run in this
+    process and subprocesses find the same folder through ``NUMPYRO_DPPVI_CACHE``. The accountant's
+    memo stays in-process (tests count the accountant's runs)."""
+    from numpyro_dppvi import enable_compilation_cache
+    from numpyro_dppvi.privacy import accounting_memo
+
     previous = os.environ.get("NUMPYRO_DPPVI_CACHE")
     os.environ["NUMPYRO_DPPVI_CACHE"] = str(tmp_path_factory.mktemp("numpyro_dppvi_cache"))
+    enable_compilation_cache()
+    accounting_memo.use(None)
     yield
     if previous is None:
         os.environ.pop("NUMPYRO_DPPVI_CACHE", None)

@@ -507,13 +507,14 @@ def adapter_layout(a: ModelAdapter) -> dict:
 
 @pytest.mark.parametrize("name", list(TRACED))
 def test_the_compiled_model_trace_gives_the_eager_traces_adapter(name, monkeypatch):
-    """``ModelAdapter`` traces the model in one compiled program (``compiled_traces``) instead of
-    running it eagerly (dozens of small programs). The adapter must be the same, bit for bit: layout,
-    prior, server mask, transforms and per-example log-likelihood."""
+    """With a persistent compilation cache ``ModelAdapter`` traces the model in one compiled program
+    (``compiled_traces``) instead of running it eagerly (dozens of small programs). The adapter must
+    be the same, bit for bit: layout, prior, server mask, transforms and per-example log-likelihood."""
     model_module = importlib.import_module("numpyro_dppvi.model")  # the module, not dppvi.model
     model, make_data = TRACED[name]
     data = make_data()
     rows = tuple(np.asarray(a)[:3] for a in data)
+    monkeypatch.setattr(model_module, "programs_persist", lambda: True)
     used = []
     original = model_module.compiled_traces
     monkeypatch.setattr(model_module, "compiled_traces", lambda *a: used.append(1) or original(*a))
@@ -536,9 +537,10 @@ def test_the_compiled_model_trace_gives_the_eager_traces_adapter(name, monkeypat
     np.testing.assert_array_equal(jax.jit(compiled.log_lik_rows)(u, rows), jax.jit(eager.log_lik_rows)(u, rows))
 
 
-def test_a_model_the_compiler_cannot_trace_is_traced_eagerly():
+def test_a_model_the_compiler_cannot_trace_is_traced_eagerly(monkeypatch):
     """Python control flow on data values cannot be compiled; the adapter then runs the model eagerly
     (the same adapter as before the compiled trace existed)."""
+    monkeypatch.setattr(importlib.import_module("numpyro_dppvi.model"), "programs_persist", lambda: True)
 
     @dppvi.model
     def checks_its_data(x, y=None):
@@ -551,7 +553,8 @@ def test_a_model_the_compiler_cannot_trace_is_traced_eagerly():
     assert [s.name for s in adapter.sites] == ["w", "b"] and adapter.plate == "data"
 
 
-def test_a_fit_with_array_bounds_made_inside_the_model_runs():
+def test_a_fit_with_array_bounds_made_inside_the_model_runs(monkeypatch):
+    monkeypatch.setattr(importlib.import_module("numpyro_dppvi.model"), "programs_persist", lambda: True)
     result = dppvi.fit_dppvi(bounded, split(logistic_data()), rounds=2, local_steps=5, num_samples=2)
     w = np.asarray(result.sample(200, jax.random.key(0))["w"])
     assert np.all((w > 0) & (w < 3))
