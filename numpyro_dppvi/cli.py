@@ -57,9 +57,11 @@ def demo_methods(rounds: int, epsilon: float = 1.0, delta: float = 1e-5):
     adam = optax.adam(1e-2)
     private = Privacy(epsilon=epsilon, delta=delta, clip=2.0)
     methods = {
+        # damping 0.5: at 1.0 the unbalanced split diverged for 10 of 40 keys (a client's full step
+        # overshooting to a negative precision), at 0.5 for none, accuracy 0.848-0.853 on both splits
         "PVI (sequential)": lambda m, c, e, k: pvi.fit_dppvi(
             m, c, schedule="sequential", rounds=rounds, local_steps=50, batch_size=100, optimizer=adam,
-            damping=1.0, rng_key=k, eval_data=e, progress=True),
+            damping=0.5, rng_key=k, eval_data=e, progress=True),
         "PVI (synchronous)": lambda m, c, e, k: pvi.fit_dppvi(
             m, c, schedule="synchronous", rounds=rounds, local_steps=50, batch_size=100, optimizer=adam,
             damping=0.2, rng_key=k, eval_data=e, progress=True),
