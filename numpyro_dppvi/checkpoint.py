@@ -20,6 +20,7 @@ and its metadata says ``"private": true``; it must never be published.
 
 from __future__ import annotations
 
+import contextlib
 import hashlib
 import hmac
 import io
@@ -86,15 +87,26 @@ def save(path, tree, meta: dict, hmac_key: bytes | None = None, private: bool = 
     record = json.dumps({"meta": meta_json, field: _digest(arrays, meta_json, hmac_key)})
     buffer = io.BytesIO()
     np.savez(buffer, **arrays, **{_META: np.frombuffer(record.encode(), np.uint8)})
-    tmp = f"{os.fspath(path)}.tmp"
-    fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o600 if private else 0o644)
-    with os.fdopen(fd, "wb") as f:
-        f.write(buffer.getvalue())
-        f.flush()
-        os.fsync(f.fileno())
-    if private:
-        os.chmod(tmp, 0o600)
-    os.replace(tmp, path)
+    write_atomically(path, buffer.getvalue(), private)
+
+
+def write_atomically(path, data: bytes, private: bool = False) -> None:
+    """Write ``data`` to ``path`` so that readers see the old file or the new one, never a part:
+    a temporary file of this process, flushed to disk, then renamed. ``private``: mode 0600."""
+    tmp = f"{os.fspath(path)}.{os.getpid()}.tmp"
+    try:
+        fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o600 if private else 0o644)
+        with os.fdopen(fd, "wb") as f:
+            f.write(data)
+            f.flush()
+            os.fsync(f.fileno())
+        if private:
+            os.chmod(tmp, 0o600)
+        os.replace(tmp, path)
+    except BaseException:
+        with contextlib.suppress(OSError):
+            os.unlink(tmp)
+        raise
 
 
 def load(path, hmac_key: bytes | None = None) -> tuple[dict[str, np.ndarray], dict]:

@@ -31,6 +31,8 @@ import secrets
 from importlib import metadata
 from pathlib import Path
 
+from ..checkpoint import write_atomically
+
 #: Bumped whenever what a question means changes (units, defaults of the accountant calls).
 FORMAT = "numpyro_dppvi accounting memo 1"
 MEMO_FILE = "accounting.json"
@@ -132,9 +134,7 @@ def store(question: str, value: float) -> None:
     entries[question] = {"value": float(value), "hmac": _tag(secret, question, float(value))}
     for oldest in list(entries)[:-MAX_ENTRIES]:  # a bounded file: the oldest answers go first
         del entries[oldest]
-    tmp = _folder / f"{MEMO_FILE}.{os.getpid()}.tmp"
     try:
-        tmp.write_text(json.dumps(entries))
-        os.replace(tmp, _folder / MEMO_FILE)
+        write_atomically(_folder / MEMO_FILE, json.dumps(entries).encode(), private=True)
     except OSError:
-        tmp.unlink(missing_ok=True)
+        pass
