@@ -175,7 +175,8 @@ class ModelAdapter:
         requested = getattr(model_fn, _MARK, None)
         # Two traces, on 2 and on 3 rows, find the plate that follows the number of rows. With fewer
         # than 3 rows in total the rows are repeated: only the shapes matter to the structure.
-        rows = lambda k: [np.take(np.asarray(a), np.arange(k) % n, axis=0) for a in arrays]  # host: no device program
+        # rows gathered on the host (no device program), handed to the model as jax arrays as NumPyro does
+        rows = lambda k: [to_device(np.take(np.asarray(a), np.arange(k) % n, axis=0)) for a in arrays]
         tr2, tr3 = self._traces([(rows(2), 0), (rows(3), 1)])
         self.plate = self._find_privacy_plate(tr2, tr3, requested)
         self.example_row = tuple(np.asarray(a)[:1].copy() for a in arrays)  # host copies, canonical dtypes
@@ -322,6 +323,12 @@ class ModelAdapter:
         """Sizes of the sites' blocks of the flat unconstrained vector, in layout order."""
         return tuple(s.size for s in self.sites)
 
+    def sites_of(self, coordinates) -> list[str]:
+        """Names of the sites holding any of ``coordinates`` (a ``[D]`` bool mask or indices), in layout order."""
+        coordinates = np.asarray(coordinates)
+        index = np.flatnonzero(coordinates) if coordinates.dtype == bool else coordinates.astype(int)
+        return [s.name for s in self.sites if np.any((index >= s.offset) & (index < s.offset + s.size))]
+
     def unflatten(self, u: jax.Array) -> dict:
         """Flat unconstrained vector -> dict of unconstrained site arrays."""
         return {s.name: jnp.reshape(u[s.offset : s.offset + s.size], s.unconstrained_shape) for s in self.sites}
@@ -366,7 +373,7 @@ class ModelAdapter:
             return jnp.zeros(())
         parts = self.unflatten(u)
         values = {s.name: s.transform(parts[s.name]) for s in self.sites}
-        tr = self._run(values, self.example_row)
+        tr = self._run(values, tuple(jnp.asarray(a) for a in self.example_row))  # jax arrays, as NumPyro passes
         total = 0.0
         for s in self.sites:
             if s.gaussian_prior:
