@@ -21,6 +21,23 @@ from . import factors
 from .factors import Gaussian
 
 
+def standard_draws(key, num_samples: int, dim: int, antithetic: bool = True) -> jax.Array:
+    """``[S, D]`` standard-normal draws ``eps`` for the reparameterised Monte Carlo estimates.
+
+    ``antithetic``: ``S / 2`` draws and their negatives (``S`` odd: one more fresh draw). Both halves
+    are exactly ``N(0, I)``, so every estimate stays unbiased, and the terms linear in ``eps`` cancel:
+    the estimate of ``E_q[grad f] = grad f(mu) + O(s^2)`` loses the noise ``H s eps`` of the
+    curvature (the whole of it for a quadratic ``f``), and the estimate of ``E_q[grad f * eps]``
+    (the gradient for ``log s``, ``s^2 E_q[diag Hessian]`` by Stein's lemma) loses the noise
+    ``grad f(mu) * eps``, which dominates where the likelihood is far from its maximum (on every
+    client of PVI: its optimum balances the likelihood against the cavity).
+    """
+    if not antithetic or num_samples < 2:
+        return jax.random.normal(key, (num_samples, dim))
+    half = jax.random.normal(key, ((num_samples + 1) // 2, dim))
+    return jnp.concatenate([half, -half[: num_samples // 2]], axis=0)
+
+
 def draws(params: dict, eps: jax.Array) -> jax.Array:
     """Reparameterised draws ``u_s = mu + exp(log s) * eps_s``, ``[S, D]``."""
     return params["loc"] + jnp.exp(params["log_scale"]) * eps

@@ -1,4 +1,8 @@
-"""Optimisers for the local steps: optax ``GradientTransformation`` objects.
+"""Optimisers for the local steps: optax ``GradientTransformation`` objects on the parameters
+``{"loc": mu, "log_scale": log s}`` of a mean-field Gaussian ``q``.
+
+``cvi`` (the default of non-private PVI) takes the conjugate-computation step of Khan & Lin (2017)
+for the precision and an Adam step, in units of ``q``'s own sds, for the mean; see :func:`cvi`.
 
 ``natural_gradient`` preconditions the gradient of a mean-field Gaussian's parameters
 ``{"loc": mu, "log_scale": log s}`` by the inverse Fisher information ``diag(s^2, 1/2)``:
@@ -12,6 +16,8 @@ of signs, while the natural gradient moves each virtual client by what its likel
 """
 
 from __future__ import annotations
+
+from typing import Any, NamedTuple
 
 import jax.numpy as jnp
 import optax
@@ -33,3 +39,73 @@ def natural_gradient(learning_rate: float) -> optax.GradientTransformation:
                 "log_scale": -0.5 * learning_rate * grads["log_scale"]}, state
 
     return optax.GradientTransformation(init, update)
+
+
+
+class CVIState(NamedTuple):
+    """State of :func:`cvi`: the sds the update started from, and the mean optimiser's state."""
+
+    start_scale: Any
+    mean: Any
+
+
+def cvi(precision_step: float = 0.5, mean_optimizer: optax.GradientTransformation | None = None
+        ) -> optax.GradientTransformationExtraArgs:
+    """Local steps for a mean-field Gaussian ``q = N(mu, diag(s^2))``: a conjugate-computation
+    (natural-gradient) step for the precisions and ``mean_optimizer`` (default ``optax.adam(0.1)``)
+    for the means, measured in sds of the ``q`` the update started from.
+
+    The objective ``L(q) = E_q[f] + E_q[log cavity] + H[q]`` (PVI's local objective, eq. 2 of
+    Heikkila et al. 2023) has, by Stein's lemma, the gradient in ``log s``
+
+        g_r = dL/dlog s = s^2 (E_q[f''] + 2 eta2_cavity) + 1 = 1 - s^2 T,
+        T = P_cavity - E_q[f'']   (the precision of the optimum: ``g_r = 0`` iff ``1/s^2 = T``),
+
+    so the reparameterised gradient already holds the target precision ``T = P (1 - g_r)``,
+    ``P = 1/s^2``. The precision moves a fraction ``beta`` (``precision_step``) of the way:
+
+        P_new = P + beta (T - P) = P (1 - beta g_r)                      (T > 0),
+        P_new = P (1 - beta g_r + beta^2 g_r^2 / 2)                      (T <= 0, g_r >= 1),
+
+    the conjugate-computation VI step in natural parameters (Khan & Lin 2017, eq. 12), with the
+    second-order term of Lin, Schmidt & Khan (2020) where the target is not positive, which keeps
+    ``P_new >= P / 2`` for ``beta <= 1/2`` (in ``(mu, log s)`` the first-order step ``log s += beta
+    g_r / 2``, :func:`natural_gradient`, overshoots by many orders of magnitude when ``q`` is much
+    wider than its optimum, ``g_r ~ -n``). Fixed points: ``g_r = 0``, those of ``L``. Unlike Adam on
+    ``log s``, whose steps are about its learning rate whatever the gradient, the step follows the
+    curvature: a prior of sd 1 reaches a posterior of sd 0.01 in a few steps instead of hundreds.
+
+    The means are moved by ``mean_optimizer`` on ``z = (mu - mu_0) / s_0``, ``s_0`` the sds at
+    ``init`` (every PVI local update starts afresh from the current ``q``): Adam's steps of about its
+    learning rate are then a fixed fraction of the posterior's width on every coordinate, whatever
+    the data size (on ``mu`` itself ``adam(1e-2)`` jumps a posterior sd per step on a client of 4,000
+    rows); Adam's momentum, not a diagonal Newton step, crosses the ridges of correlated posteriors
+    (measured on a GLMM with an LKJ prior: 0.2-0.4 NUTS sd from NUTS against 2-4 for a diagonal
+    natural-gradient step on the means).
+
+    The gradients handed to ``update`` are of ``-L / objective_scale`` (the local objectives are
+    divided by the client's size, :mod:`~numpyro_dppvi.objectives`); the local loop passes
+    ``objective_scale`` (:func:`~numpyro_dppvi.pvi.local.optimise`). The curvature comes from the
+    Monte Carlo gradient of ``log s``: use it with antithetic draws (PVI's non-private local step
+    does), and never on privatised gradients, whose noise would be read as curvature.
+    """
+    if not 0.0 < precision_step <= 0.5:
+        raise ValueError(f"precision_step must lie in (0, 0.5] (larger steps can halve a precision at once), "
+                         f"got {precision_step}")
+    beta = float(precision_step)
+    mean_optimizer = optax.adam(0.1) if mean_optimizer is None else mean_optimizer
+
+    def init(params):
+        return CVIState(jnp.exp(params["log_scale"]), mean_optimizer.init(params["loc"]))
+
+    def update(grads, state, params=None, *, objective_scale=1.0, **extra):
+        if params is None:
+            raise ValueError("cvi needs the current params: optimizer.update(grads, state, params)")
+        g_r = -objective_scale * grads["log_scale"]
+        factor = 1.0 - beta * g_r + jnp.where(g_r >= 1.0, 0.5 * jnp.square(beta * g_r), 0.0)
+        step, mean_state = mean_optimizer.update(grads["loc"] * state.start_scale, state.mean)
+        return ({"loc": step * state.start_scale, "log_scale": -0.5 * jnp.log(factor)},
+                CVIState(state.start_scale, mean_state))
+
+    return optax.GradientTransformationExtraArgs(init, update)
+

@@ -207,14 +207,14 @@ def fit_shard(rule, q, cavity, arrays, mask, n_eff, key, opt_state=None):
     """``local_steps`` full-shard steps from ``q`` on ``mean_i E_q[log p(x_i)] + (E_q log cavity + H[q]) / n_eff``;
     returns the shard's proposal and the optimiser state."""
 
-    def gradient(params, k):
+    def gradient(params, k, t):
         eps = jax.random.normal(k, (rule.num_samples, rule.dim))
         loss = lambda p: -objectives.local_elbo(rule.log_lik_rows, p, eps, arrays, mask, n_eff, cavity)
         value, grads = jax.value_and_grad(loss)(params)
         return grads, value
 
     params, _, opt_state = optimise(rule.optimizer, factors.to_loc_log_scale(q), rule.local_steps, key, gradient,
-                                    opt_state)
+                                    opt_state, objective_scale=n_eff)
     return factors.from_loc_log_scale(params), opt_state
 
 
