@@ -105,8 +105,8 @@ def convergence(trajectory: list, window: int = WINDOW, max_jitter: float | None
     ``max_jitter``}``. ``max_jitter`` (non-private fits: :data:`MAX_JITTER_SD`; ``None`` for noisy
     fits, whose steps carry the privacy noise): a fit whose steps jitter more is not converged.
     """
-    out = {"rounds_checked": len(trajectory) - 1, "change": None, "jitter": None, "oscillating": False, "drifting": 0, "rate": None, "distance": None,
-           "converged": None}
+    out = {"rounds_checked": len(trajectory) - 1, "change": None, "jitter": None, "oscillating": False, "drifting": 0,
+           "rate": None, "distance": None, "converged": None, "drifting_coordinates": []}
     if len(trajectory) < 2:
         return out
     d = steps_in_sd(trajectory)
@@ -121,6 +121,7 @@ def convergence(trajectory: list, window: int = WINDOW, max_jitter: float | None
     t = stats.t.ppf(1.0 - FALSE_ALARM / (2.0 * d.shape[1]), k - 1)
     drifting = np.abs(mean) > t * spread / math.sqrt(k)
     out["drifting"] = int(drifting.sum())
+    out["drifting_coordinates"] = sorted({int(i) % len(trajectory[0][0]) for i in np.flatnonzero(drifting)})
     if len(d) >= 2 * k:
         older = d[-2 * k:-k].mean(0)
         same_sign = np.sign(older) == np.sign(mean)
@@ -153,7 +154,9 @@ def warn_if_unconverged(summary: dict, caller: str, advice: str, jitter_advice: 
         distance = summary["distance"]
         far = ("the steps are not shrinking" if not math.isfinite(distance)
                else f"at the current rate about {distance:.2g} posterior sd remain")
-        message = (f"q was still drifting when the fit stopped ({summary['drifting']} coordinate(s) moving "
+        sites = summary.get("drifting_sites")
+        where = f" of site(s) {', '.join(repr(n) for n in sites)}" if sites else ""
+        message = (f"q was still drifting when the fit stopped ({summary['drifting']} coordinate(s){where} moving "
                    f"steadily; {far}; last change {summary['change']:.2g} sd). {advice}")
     else:
         message = (f"q still jumps by about {summary['jitter']:.2g} posterior sd from round to round (an "

@@ -82,8 +82,10 @@ def product(factors: Gaussian, axis: int = 0) -> Gaussian:
 
 
 def is_proper(g: Gaussian) -> jax.Array:
-    """True when every coordinate has ``eta2 < 0`` and all parameters are finite."""
-    return jnp.all(g.eta2 < 0) & jnp.all(jnp.isfinite(g.eta1)) & jnp.all(jnp.isfinite(g.eta2))
+    """True when every coordinate has ``eta2 < 0``, all parameters are finite and so are the means
+    ``-eta1 / (2 eta2)`` (finite natural parameters can overflow the mean: ``-4e36 / 0.1`` in float32)."""
+    return (jnp.all(g.eta2 < 0) & jnp.all(jnp.isfinite(g.eta1)) & jnp.all(jnp.isfinite(g.eta2))
+            & jnp.all(jnp.isfinite(g.eta1 / g.eta2)))
 
 
 def check_proper(g: Gaussian, what: str, advice: str = "use more damping (a smaller `damping`) or fewer "
@@ -91,8 +93,10 @@ def check_proper(g: Gaussian, what: str, advice: str = "use more damping (a smal
     """Host-side check raising a ``ValueError`` that says which object is invalid, why, and ``advice``
     (in the options of the function the user called)."""
     eta1, eta2 = np.asarray(g.eta1), np.asarray(g.eta2)
-    if not (np.all(np.isfinite(eta1)) and np.all(np.isfinite(eta2))):
-        raise ValueError(f"{what} has non-finite natural parameters: {advice}.")
+    with np.errstate(divide="ignore", invalid="ignore", over="ignore"):
+        finite = np.all(np.isfinite(eta1)) and np.all(np.isfinite(eta2)) and np.all(np.isfinite(eta1 / eta2))
+    if not finite:
+        raise ValueError(f"{what} has non-finite natural parameters or means: {advice}.")
     bad = np.flatnonzero(np.reshape(eta2 >= 0, -1))
     if bad.size:
         raise ValueError(

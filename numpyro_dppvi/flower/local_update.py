@@ -34,6 +34,7 @@ from ..factors import Gaussian
 from ..model import ModelAdapter
 from ..privacy import Privacy
 from ..pvi.fit import model_adapter
+from ..optim import cvi
 from ..pvi.local import DPOptimisation, NonPrivate
 from ..pvi.privacy_plan import PrivacyPlan, dp_sgd_plan
 from .settings import LocalSettings, NodeSettings, SettingsError
@@ -80,6 +81,8 @@ def adapter_for(model: Callable, arrays) -> ModelAdapter:
 @functools.lru_cache(maxsize=None)
 def optimizer(name: str, learning_rate: float) -> optax.GradientTransformation:
     """One optax object per setting, so equal rules share their compiled programs."""
+    if name == "cvi":  # learning_rate: Adam's on the means (in posterior sds); the precision step is 0.5
+        return cvi(mean_optimizer=optax.adam(learning_rate))
     return {"adam": optax.adam, "sgd": optax.sgd}[name](learning_rate)
 
 
@@ -122,8 +125,10 @@ def make_rule(method: str, adapter: ModelAdapter, settings: LocalSettings, plan:
         p = plan.privacy
         return DPOptimisation(a.log_lik_rows, a.dim, opt, settings.local_steps, settings.batch_size,
                               settings.num_samples, log_lik_row=a.log_lik_row_blocks, clip=p.clip,
-                              sampling=p.sampling, max_batch=plan.max_batch, blocks=a.site_sizes, chunk=plan.chunk)
-    return NonPrivate(a.log_lik_rows, a.dim, opt, settings.local_steps, settings.batch_size, settings.num_samples)
+                              sampling=p.sampling, max_batch=plan.max_batch, blocks=a.site_sizes, chunk=plan.chunk,
+                              average=settings.tail_average)
+    return NonPrivate(a.log_lik_rows, a.dim, opt, settings.local_steps, settings.batch_size, settings.num_samples,
+                      average=settings.tail_average)
 
 
 def initial_rule_state(rule, plan: PrivacyPlan | None, arrays, mask, key):

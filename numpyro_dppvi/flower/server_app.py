@@ -3,8 +3,8 @@
 Run configuration (flat keys, Flower's kebab case; defaults in :data:`RUN_CONFIG_DEFAULTS`):
 ``model`` (``"package.module:function"``, the same on every node), ``method`` (``"dp_optimisation"``
 or ``"pvi"``), ``schedule``, ``rounds``, ``local-steps``, ``batch-size`` (0: the whole data),
-``num-samples``, ``optimizer``, ``learning-rate``, ``damping``, ``clip``; ``round-timeout`` (seconds
-a round, or a sequential client, may take; also the messages' TTL), ``poll-interval``,
+``num-samples``, ``optimizer`` (``adam``, ``sgd`` or ``cvi``), ``learning-rate``, ``damping``, ``clip``,
+``tail-average`` (share of the local iterates averaged, ``fit_dppvi``'s ``tail_average``); ``round-timeout`` (seconds a round, or a sequential client, may take; also the messages' TTL), ``poll-interval``,
 ``min-clients`` and ``wait-for-clients`` (seconds to wait for them); ``results-dir`` (where the
 published result ``result.npz`` and ``progress.jsonl`` go), ``checkpoint`` (the server's private
 checkpoint, written after every round and resumed from when it exists; ``checkpoint-key-file``
@@ -34,7 +34,7 @@ RUN_CONFIG_DEFAULTS = {
     "schedule": "synchronous", "rounds": 3, "local-steps": 10, "batch-size": 100, "num-samples": 10,
     "optimizer": "adam", "learning-rate": 0.01, "damping": 1.0, "clip": 1.0, "round-timeout": 120.0,
     "poll-interval": 0.2, "min-clients": 1, "wait-for-clients": 60.0, "results-dir": "", "checkpoint": "",
-    "checkpoint-key-file": "", "fit-id": "",
+    "checkpoint-key-file": "", "fit-id": "", "tail-average": 0.0,
 }
 
 
@@ -70,7 +70,8 @@ class ServerSettings:
         local = LocalSettings(local_steps=int(config["local-steps"]), batch_size=batch if batch > 0 else None,
                               num_samples=int(config["num-samples"]), optimizer=str(config["optimizer"]),
                               learning_rate=float(config["learning-rate"]), damping=float(config["damping"]),
-                              clip=float(config["clip"]), planned_rounds=int(config["rounds"]))
+                              clip=float(config["clip"]), planned_rounds=int(config["rounds"]),
+                              tail_average=float(config["tail-average"]))
         path = lambda key: Path(str(config[key])) if str(config[key]).strip() else None
         return cls(str(config["model"]), str(config["method"]), str(config["schedule"]), int(config["rounds"]), local,
                    float(config["round-timeout"]), float(config["poll-interval"]), int(config["min-clients"]),

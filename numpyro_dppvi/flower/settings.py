@@ -24,7 +24,7 @@ from pathlib import Path
 #: Methods a ClientApp runs: DP-SGD in the local step, and plain PVI (only where the node allows it).
 PRIVATE_METHODS = ("dp_optimisation",)
 METHODS = ("pvi",) + PRIVATE_METHODS
-OPTIMIZERS = ("adam", "sgd")
+OPTIMIZERS = ("adam", "sgd", "cvi")
 #: Environment variable a node must set before ``unsafe-test-fit-key`` is honoured (tests only).
 TEST_KEYS_ENV = "NUMPYRO_DPPVI_FLOWER_TEST_KEYS"
 
@@ -49,6 +49,7 @@ class LocalSettings:
     damping: float = 1.0
     clip: float = 1.0
     planned_rounds: int = 10
+    tail_average: float = 0.0
 
     def __post_init__(self):
         for name in ("local_steps", "num_samples", "planned_rounds"):
@@ -61,6 +62,8 @@ class LocalSettings:
         _positive_float("clip", self.clip)
         if not 0.0 < float(self.damping) <= 1.0:
             raise SettingsError(f"damping must be in (0, 1], got {self.damping}")
+        if not 0.0 <= float(self.tail_average) < 1.0:
+            raise SettingsError(f"tail-average must be in [0, 1), got {self.tail_average}")
 
     def to_json(self) -> str:
         return json.dumps(dataclasses.asdict(self), sort_keys=True)

@@ -62,7 +62,7 @@ def fit_global_vi(model, clients, *, steps: int = 1000, steps_per_round: int = 1
             ledger.record_all(event)
     config = dict(pooled_result.config, steps=steps, steps_per_round=steps_per_round)
     return DPPVIResult(pooled_result.adapter, pooled_result.q, history, "global_vi" if privacy is None else "dp_global_vi",
-                       None, ledger, config, pooled_result.rounds)
+                       None, ledger, config, pooled_result.rounds, convergence=pooled_result.convergence)
 
 
 def fit_bcm(model, clients, *, prior: str = "same", local_steps: int = 1000, batch_size: int | None = 100,
@@ -102,9 +102,16 @@ def fit_bcm(model, clients, *, prior: str = "same", local_steps: int = 1000, bat
                        config=dict(driver.settings(), prior=prior), rounds=1)
 
 
+#: Relative precision below the prior's that the reset rule ignores: float32 rounding of natural
+#: parameters summed over clients. A coordinate the data do not inform (a scale whose only role is in the
+#: server-held prior factor) combines to the prior's precision up to that rounding, and was reset.
+PRIOR_TOLERANCE = 1e-4
+
+
 def reset_to_prior(q, prior, invalid: str = "prior"):
     """``(q', count)``. ``invalid="prior"``: every coordinate whose precision ``-2 eta2`` is below the
-    prior's is replaced by the prior's coordinate and counted. ``invalid="raise"``: ``q`` unchanged,
+    prior's (by more than :data:`PRIOR_TOLERANCE`, relative) is replaced by the prior's coordinate and
+    counted. ``invalid="raise"``: ``q`` unchanged,
     a ValueError if it is improper. A non-finite ``q`` (a diverged local fit) raises under both rules:
     resetting it would return the prior as a posterior."""
     advice = "lower `local_steps` or the optimizer's learning rate"
@@ -112,7 +119,7 @@ def reset_to_prior(q, prior, invalid: str = "prior"):
         factors.check_proper(q, "the BCM posterior (fit_bcm)",
                              advice + ("" if invalid == "prior" else ", or pass invalid='prior'"))
         return q, 0
-    below = q.eta2 > prior.eta2
+    below = q.eta2 > prior.eta2 * (1.0 - PRIOR_TOLERANCE)  # equal up to float rounding is not below
     count = int(jnp.sum(below))
     if count:
         warnings.warn(f"fit_bcm: {count} of {below.size} coordinates of the combined posterior had a precision "

@@ -111,14 +111,19 @@ def synchronous(rule, damping, state: PVIState, data, mask, sizes, key, limits):
         round=state.round + 1, communications=state.communications + jnp.sum(state.active),
     )
     out = {"valid": valid, "loss": metrics["loss"], "participated": state.active, "failed": failed,
-           "stopped": stopped}
+           "stopped": stopped, "failed_coordinates": jnp.any(failed[:, None] & ~jax.vmap(_finite_coordinates)(q_new), 0)}
     if "invalid" in metrics:
         out["invalid"] = metrics["invalid"] & state.active
     return new_state, out
 
 
 def _finite(g: Gaussian) -> jax.Array:
-    return jnp.all(jnp.isfinite(g.eta1)) & jnp.all(jnp.isfinite(g.eta2))
+    return jnp.all(_finite_coordinates(g))
+
+
+def _finite_coordinates(g: Gaussian) -> jax.Array:
+    """``[D]`` bool: finite natural parameters and mean on each coordinate."""
+    return jnp.isfinite(g.eta1) & jnp.isfinite(g.eta2) & jnp.isfinite(g.eta1 / g.eta2)
 
 
 def _expand(flag, x):
@@ -156,11 +161,12 @@ def arrivals(rule, damping, state: PVIState, data, mask, sizes, key, order, limi
         cavity_ok = factors.is_proper(cavity) | (not getattr(rule, "uses_client_cavity", True))
         valid = valid & ((cavity_ok & factors.is_proper(q_next)) | ~act)
         invalid = metrics.get("invalid", jnp.zeros((), bool)) & act
-        return (q_next, fac, seen, cstate, valid, active, counts), (metrics["loss"], afford, invalid, failed, stop)
+        bad = failed & ~_finite_coordinates(q_new)
+        return (q_next, fac, seen, cstate, valid, active, counts), (metrics["loss"], afford, invalid, failed, stop, bad)
 
     init = (state.q, state.factors, state.q_seen, state.client_state, jnp.array(True), state.active,
             state.participations)
-    (q, fac, seen, cstate, valid, active, counts), (loss, took_part, invalid, failed, stop) = jax.lax.scan(
+    (q, fac, seen, cstate, valid, active, counts), (loss, took_part, invalid, failed, stop, bad) = jax.lax.scan(
         arrive, init, (jnp.arange(order.shape[0]), order)
     )
     new_state = state._replace(
@@ -170,7 +176,8 @@ def arrivals(rule, damping, state: PVIState, data, mask, sizes, key, order, limi
     m = sizes.shape[0]
     per_client = lambda flags: jnp.zeros(m, bool).at[order].max(flags)
     return new_state, {"valid": valid, "loss": loss, "participated": per_client(took_part), "order": order,
-                       "invalid": invalid, "failed": per_client(failed), "stopped": per_client(stop)}
+                       "invalid": invalid, "failed": per_client(failed), "stopped": per_client(stop),
+                       "failed_coordinates": jnp.any(bad, axis=0)}
 
 
 def arrival_order(key, sizes, active, num_arrivals: int):
