@@ -73,9 +73,17 @@ FIT_WARNINGS = (ConvergenceWarning, NoiseWarning, ClientUpdateWarning, Posterior
 
 
 def unconstrained_coordinates(q: factors.Gaussian) -> tuple[np.ndarray, np.ndarray]:
-    """``(mu, log s)`` of ``q`` as float64 arrays: ``mu = -eta1 / (2 eta2)``, ``log s = -log(-2 eta2) / 2``
-    (on the host, in numpy: no device program per call)."""
+    """``(mu, log s)`` of ``q`` as float64 arrays: ``mu = -eta1 / (2 eta2)``, ``log s = -log(-2 eta2) / 2``;
+    full-rank: ``mu = Lambda^{-1} eta1`` and the marginal ``log s = log diag(Lambda^{-1}) / 2`` (on the
+    host, in numpy: no device program per call)."""
     eta1, eta2 = np.asarray(q.eta1, np.float64), np.asarray(q.eta2, np.float64)
+    if eta2.ndim == eta1.ndim + 1:
+        try:
+            covariance = np.linalg.inv(-2.0 * eta2)
+        except np.linalg.LinAlgError:
+            return np.full_like(eta1, np.nan), np.full_like(eta1, np.nan)
+        with np.errstate(divide="ignore", invalid="ignore"):
+            return covariance @ eta1, 0.5 * np.log(np.diagonal(covariance, axis1=-2, axis2=-1))
     with np.errstate(divide="ignore", invalid="ignore"):
         return -eta1 / (2.0 * eta2), -0.5 * np.log(-2.0 * eta2)
 

@@ -18,8 +18,7 @@ from . import factors
 
 @functools.partial(jax.jit, static_argnums=(0, 4))
 def _log_predictive(log_lik_rows, q, arrays, key, num_samples):
-    loc, scale = factors.to_loc_scale(q)
-    u = loc + scale * jax.random.normal(key, (num_samples,) + loc.shape)
+    u = factors.draws(q, jax.random.normal(key, (num_samples,) + q.eta1.shape))
     ll = jax.lax.map(lambda u_s: log_lik_rows(u_s, arrays), u)  # [S, n]
     return jax.scipy.special.logsumexp(ll, axis=0) - jnp.log(num_samples)
 

@@ -1,16 +1,20 @@
-"""Mean-field Gaussian factors in natural parameters.
+"""Gaussian factors in natural parameters: mean-field and full-rank.
 
 A factor over the flat unconstrained vector ``u`` (length ``D``) is the unnormalised density
 
-    t(u) = exp(eta1 . u + eta2 . u**2),
+    t(u) = exp(eta1 . u + eta2 . u**2)                 (family "mean_field": eta2 is [D]),
+    t(u) = exp(eta1 . u + u^T eta2 u)                  (family "full_rank": eta2 is [D, D], symmetric),
 
-so for a proper Gaussian ``N(mu, s**2)``: ``eta1 = mu / s**2`` and ``eta2 = -1 / (2 s**2)``
-(Heikkila et al. 2023, §3.1; Ashman et al. 2022, eq. 3). Products and quotients of factors add and
-subtract natural parameters. A PVI site factor ``t_m`` may have ``eta2 >= 0``; the posterior and every
-cavity must have ``eta2 < 0`` everywhere (checked by :func:`is_proper`).
+so for a proper Gaussian ``N(mu, s**2)``: ``eta1 = mu / s**2`` and ``eta2 = -1 / (2 s**2)``, and for
+``N(mu, Lambda^{-1})``: ``eta1 = Lambda mu``, ``eta2 = -Lambda / 2`` (Heikkila et al. 2023, §3.1;
+Ashman et al. 2022, eq. 3). Products, quotients, powers and damping add, subtract and scale natural
+parameters, exactly, in both families (the same functions serve both). A PVI site factor ``t_m`` may
+be improper (``eta2 >= 0`` somewhere; a precision that is not positive definite); the posterior and
+every cavity must be proper (checked by :func:`is_proper`).
 
-Everything here is a pure function of :class:`Gaussian` pytrees; leaves may carry leading batch
-axes (e.g. ``[M, D]`` for stacked client factors).
+The family is in the shapes: ``eta2`` has one axis more than ``eta1`` for a full-rank factor
+(:func:`is_full_rank`). Everything here is a pure function of :class:`Gaussian` pytrees; leaves may
+carry leading batch axes (e.g. ``[M, D]`` and ``[M, D, D]`` for stacked client factors).
 """
 
 from __future__ import annotations
@@ -22,16 +26,87 @@ import jax.numpy as jnp
 import numpy as np
 
 
+FAMILIES = ("mean_field", "full_rank")
+
+
 class Gaussian(NamedTuple):
-    """Natural parameters of a (possibly improper) diagonal Gaussian factor."""
+    """Natural parameters of a (possibly improper) Gaussian factor: diagonal (``eta2`` shaped like
+    ``eta1``) or full-rank (``eta2`` with one more axis)."""
 
     eta1: jax.Array
     eta2: jax.Array
 
 
-def zeros(dim: int, dtype=jnp.float32) -> Gaussian:
+def is_full_rank(g: Gaussian) -> bool:
+    """Whether ``g`` is a full-rank factor (static: read from the shapes)."""
+    return jnp.ndim(g.eta2) == jnp.ndim(g.eta1) + 1
+
+
+def family_of(g: Gaussian) -> str:
+    return "full_rank" if is_full_rank(g) else "mean_field"
+
+
+def check_family(family: str, caller: str) -> str:
+    if family not in FAMILIES:
+        raise ValueError(f"{caller}: unknown family {family!r}; choose one of {FAMILIES} (mean_field: independent "
+                         "Gaussian coordinates; full_rank: a full precision matrix, for correlated posteriors)")
+    return family
+
+
+def zeros(dim: int, dtype=jnp.float32, family: str = "mean_field") -> Gaussian:
     """The flat factor ``t(u) = 1`` (how every client factor starts)."""
-    return Gaussian(jnp.zeros(dim, dtype), jnp.zeros(dim, dtype))
+    shape = (dim, dim) if family == "full_rank" else (dim,)
+    return Gaussian(jnp.zeros(dim, dtype), jnp.zeros(shape, dtype))
+
+
+def to_full_rank(g: Gaussian) -> Gaussian:
+    """A mean-field factor as a full-rank one (``eta2`` on the diagonal); a full-rank one unchanged."""
+    if is_full_rank(g):
+        return g
+    eye = jnp.eye(g.eta2.shape[-1], dtype=g.eta2.dtype)
+    return Gaussian(g.eta1, g.eta2[..., :, None] * eye)
+
+
+def as_family(g: Gaussian, family: str) -> Gaussian:
+    """``g`` (mean-field or full-rank) in ``family``; only the embedding of mean-field into full-rank exists."""
+    if family == "full_rank":
+        return to_full_rank(g)
+    if is_full_rank(g):
+        raise ValueError("a full-rank factor has no exact mean-field form")
+    return g
+
+
+def mean_and_precision(g: Gaussian) -> tuple[jax.Array, jax.Array]:
+    """Full-rank ``g``: ``(mu, Lambda) = (Lambda^{-1} eta1, -2 eta2)`` (NaN means when ``Lambda`` is singular)."""
+    precision = -2.0 * g.eta2
+    return jnp.linalg.solve(precision, g.eta1[..., None])[..., 0], precision
+
+
+def _full_rank_proper(g: Gaussian) -> jax.Array:
+    mean, precision = mean_and_precision(g)
+    chol = jnp.linalg.cholesky(0.5 * (precision + jnp.swapaxes(precision, -1, -2)))
+    return (jnp.all(jnp.isfinite(chol)) & jnp.all(jnp.isfinite(g.eta1)) & jnp.all(jnp.isfinite(g.eta2))
+            & jnp.all(jnp.isfinite(mean)))
+
+
+def finite_coordinates(g: Gaussian) -> jax.Array:
+    """``[..., D]`` bool: finite natural parameters and mean on each coordinate (full-rank: the
+    coordinate's row of ``eta2``, and its mean)."""
+    if is_full_rank(g):
+        mean, _ = mean_and_precision(g)
+        return jnp.isfinite(g.eta1) & jnp.all(jnp.isfinite(g.eta2), axis=-1) & jnp.isfinite(mean)
+    return jnp.isfinite(g.eta1) & jnp.isfinite(g.eta2) & jnp.isfinite(g.eta1 / g.eta2)
+
+
+def draws(g: Gaussian, eps: jax.Array) -> jax.Array:
+    """Draws of a proper ``g`` from standard-normal ``eps`` (``[S, D]``): ``mu + s eps`` (mean-field),
+    ``mu + L^{-T} eps`` with ``Lambda = L L^T`` (full-rank)."""
+    if is_full_rank(g):
+        mean, precision = mean_and_precision(g)
+        chol = jnp.linalg.cholesky(precision)
+        return mean + jax.scipy.linalg.solve_triangular(chol, eps.T, lower=True, trans="T").T
+    loc, scale_ = to_loc_scale(g)
+    return loc + scale_ * eps
 
 
 def from_loc_scale(loc, scale) -> Gaussian:
@@ -41,7 +116,11 @@ def from_loc_scale(loc, scale) -> Gaussian:
 
 
 def to_loc_scale(g: Gaussian) -> tuple[jax.Array, jax.Array]:
-    """Inverse of :func:`from_loc_scale`; only meaningful where ``eta2 < 0``."""
+    """Inverse of :func:`from_loc_scale`; only meaningful where ``eta2 < 0``. For a full-rank factor:
+    the means and the **marginal** sds ``sqrt(diag Lambda^{-1})``."""
+    if is_full_rank(g):
+        mean, precision = mean_and_precision(g)
+        return mean, jnp.sqrt(jnp.diagonal(jnp.linalg.inv(precision), axis1=-2, axis2=-1))
     precision = -2.0 * g.eta2
     return g.eta1 / precision, jnp.sqrt(1.0 / precision)
 
@@ -83,7 +162,11 @@ def product(factors: Gaussian, axis: int = 0) -> Gaussian:
 
 def is_proper(g: Gaussian) -> jax.Array:
     """True when every coordinate has ``eta2 < 0``, all parameters are finite and so are the means
-    ``-eta1 / (2 eta2)`` (finite natural parameters can overflow the mean: ``-4e36 / 0.1`` in float32)."""
+    ``-eta1 / (2 eta2)`` (finite natural parameters can overflow the mean: ``-4e36 / 0.1`` in float32).
+    Full-rank: the precision ``-2 eta2`` positive definite (a finite Cholesky factor), all parameters and
+    the mean finite."""
+    if is_full_rank(g):
+        return _full_rank_proper(g)
     return (jnp.all(g.eta2 < 0) & jnp.all(jnp.isfinite(g.eta1)) & jnp.all(jnp.isfinite(g.eta2))
             & jnp.all(jnp.isfinite(g.eta1 / g.eta2)))
 
@@ -93,6 +176,14 @@ def check_proper(g: Gaussian, what: str, advice: str = "use more damping (a smal
     """Host-side check raising a ``ValueError`` that says which object is invalid, why, and ``advice``
     (in the options of the function the user called)."""
     eta1, eta2 = np.asarray(g.eta1), np.asarray(g.eta2)
+    if eta2.ndim == eta1.ndim + 1:
+        if not (np.all(np.isfinite(eta1)) and np.all(np.isfinite(eta2))):
+            raise ValueError(f"{what} has non-finite natural parameters: {advice}.")
+        smallest = float(np.min(np.linalg.eigvalsh(-(eta2 + np.swapaxes(eta2, -1, -2)))))
+        if not smallest > 0 or not bool(_full_rank_proper(g)):
+            raise ValueError(f"{what} is not a proper Gaussian: its precision matrix is not positive definite "
+                             f"(smallest eigenvalue {smallest:.3g}): {advice}.")
+        return
     with np.errstate(divide="ignore", invalid="ignore", over="ignore"):
         finite = np.all(np.isfinite(eta1)) and np.all(np.isfinite(eta2)) and np.all(np.isfinite(eta1 / eta2))
     if not finite:
@@ -114,6 +205,12 @@ def expected_log_factor(loc, scale_, g: Gaussian) -> jax.Array:
     return jnp.sum(g.eta1 * loc + g.eta2 * (jnp.square(loc) + jnp.square(scale_)))
 
 
+def expected_log_factor_full(mean, covariance, g: Gaussian) -> jax.Array:
+    """``E_{N(mean, covariance)}[log t(u)] = eta1 . mean + tr(eta2 (covariance + mean mean^T))`` for a
+    full-rank ``t`` (possibly improper or flat)."""
+    return g.eta1 @ mean + jnp.sum(g.eta2 * (covariance + jnp.outer(mean, mean)))
+
+
 def entropy(scale_) -> jax.Array:
     """Entropy of a diagonal Gaussian: ``sum_d (0.5 log(2 pi e) + log s_d)``."""
     return jnp.sum(0.5 * jnp.log(2 * jnp.pi * jnp.e) + jnp.log(scale_))
@@ -122,8 +219,16 @@ def entropy(scale_) -> jax.Array:
 def kl(q: Gaussian, p: Gaussian) -> jax.Array:
     """Analytic ``KL(q || p)`` of proper diagonal Gaussians, summed over coordinates:
 
-    ``sum_d log(s_p/s_q) + (s_q^2 + (mu_q - mu_p)^2) / (2 s_p^2) - 1/2``.
+    ``sum_d log(s_p/s_q) + (s_q^2 + (mu_q - mu_p)^2) / (2 s_p^2) - 1/2``;
+    full-rank (either one): ``(tr(Lambda_q^{-1} Lambda_p) + d^T Lambda_p d - D + log|Lambda_q| - log|Lambda_p|) / 2``
+    with ``d = mu_p - mu_q``.
     """
+    if is_full_rank(q) or is_full_rank(p):
+        (mq, lq), (mp, lp) = mean_and_precision(to_full_rank(q)), mean_and_precision(to_full_rank(p))
+        diff = mp - mq
+        dim = mq.shape[-1]
+        return 0.5 * (jnp.trace(jnp.linalg.solve(lq, lp)) + diff @ lp @ diff - dim
+                      + jnp.linalg.slogdet(lq)[1] - jnp.linalg.slogdet(lp)[1])
     mq, sq = to_loc_scale(q)
     mp, sp = to_loc_scale(p)
     return jnp.sum(jnp.log(sp / sq) + (jnp.square(sq) + jnp.square(mq - mp)) / (2 * jnp.square(sp)) - 0.5)

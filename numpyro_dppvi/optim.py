@@ -17,6 +17,7 @@ of signs, while the natural gradient moves each virtual client by what its likel
 
 from __future__ import annotations
 
+from dataclasses import dataclass
 from typing import Any, NamedTuple
 
 import jax.numpy as jnp
@@ -109,3 +110,19 @@ def cvi(precision_step: float = 0.5, mean_optimizer: optax.GradientTransformatio
 
     return optax.GradientTransformationExtraArgs(init, update)
 
+
+
+@dataclass(frozen=True)
+class Newton:
+    """The local steps of full-rank factors (``family="full_rank"``): natural-gradient (Newton) steps
+    with exact expected Hessians, moving the precision a fraction ``precision_step`` (``beta`` in (0, 1/2])
+    of the way to its target and the mean by ``beta`` times a Newton step inside a one-sd trust region
+    (:mod:`numpyro_dppvi.pvi.full_rank`). Not an optax transformation: the step needs the Hessian of
+    the expected log-likelihood, which the optax interface (gradients only) does not carry."""
+
+    precision_step: float = 0.5
+
+    def __post_init__(self):
+        if not 0.0 < self.precision_step <= 0.5:
+            raise ValueError(f"precision_step must lie in (0, 0.5] (the mean's Newton step then never "
+                             f"overshoots), got {self.precision_step}")

@@ -168,10 +168,13 @@ class DPPVIResult(Result):
         self.updates = None
 
     def summary(self, num_samples: int = 1000, rng_key=None, **kwargs):
-        """``arviz.summary`` of :meth:`to_arviz`, with the fit's convergence (``result.convergence``)
-        in the table's ``attrs`` and, when it is known, a ``converged`` column (the same for every row:
-        mean-field PVI converges as a whole)."""
+        """``arviz.summary`` of :meth:`to_arviz`, with a ``family`` column (the Gaussian family of ``q``:
+        ``mean_field`` under-states the sds of correlated posteriors), the fit's convergence
+        (``result.convergence``) in the table's ``attrs`` and, when it is known, a ``converged`` column
+        (the same for every row: PVI converges as a whole)."""
         table = super().summary(num_samples, rng_key, **kwargs)
+        table["family"] = self.family
+        table.attrs["family"] = self.family
         if self.convergence is not None:
             table.attrs["convergence"] = dict(self.convergence)
             if self.convergence.get("converged") is not None:
@@ -191,15 +194,20 @@ class DPPVIResult(Result):
 
     @property
     def posterior(self) -> dict:
-        """``{site: {"loc": ..., "scale": ...}}`` of ``q`` on the unconstrained space, in site shapes."""
+        """``{site: {"loc": ..., "scale": ...}}`` of ``q`` on the unconstrained space, in site shapes (a
+        full-rank ``q``: its marginal sds; ``q`` itself has the correlations)."""
         loc, scale = factors.to_loc_scale(self.q)
         locs, scales = self.adapter.unflatten(loc), self.adapter.unflatten(scale)
         return {s.name: {"loc": np.asarray(locs[s.name]), "scale": np.asarray(scales[s.name])}
                 for s in self.adapter.sites}
 
+    @property
+    def family(self) -> str:
+        """``"mean_field"`` or ``"full_rank"``: the Gaussian family of ``q``."""
+        return factors.family_of(self.q)
+
     def _draws(self, num_samples: int, rng_key):
-        loc, scale = factors.to_loc_scale(self.q)
-        return loc + scale * jax.random.normal(rng_key, (int(num_samples),) + loc.shape)
+        return factors.draws(self.q, jax.random.normal(rng_key, (int(num_samples),) + self.q.eta1.shape))
 
     def sample(self, num_samples: int = 1000, rng_key=None) -> dict:
         """Constrained posterior samples ``{site: [num_samples, *shape]}`` (post-processing of ``q``)."""

@@ -38,8 +38,10 @@ from .fit import DPPVI
 
 def fit_global_vi(model, clients, *, steps: int = 1000, steps_per_round: int = 100, batch_size: int | None = 100,
                   num_samples: int = 10, optimizer: optax.GradientTransformation | None = None, rng_key=None,
-                  eval_data=None, progress: bool = False, privacy=None) -> DPPVIResult:
+                  eval_data=None, progress: bool = False, privacy=None, family: str = "mean_field") -> DPPVIResult:
     """VI (``privacy=None``) or DP-SGD VI on the pooled data of ``clients``; history every ``steps_per_round`` steps.
+
+    ``family``: ``"mean_field"`` or ``"full_rank"`` (non-private; see :class:`~numpyro_dppvi.pvi.fit.DPPVI`).
 
     ``rng_key=None`` draws the key from the operating system (see :func:`~numpyro_dppvi.fit_dppvi`).
     """
@@ -50,7 +52,7 @@ def fit_global_vi(model, clients, *, steps: int = 1000, steps_per_round: int = 1
     rounds = steps // steps_per_round
     driver = DPPVI(model, method="pvi" if privacy is None else "dp_optimisation", schedule="sequential",
                    optimizer=optimizer, local_steps=steps_per_round, batch_size=batch_size, num_samples=num_samples,
-                   damping=1.0, privacy=privacy, rounds=rounds)
+                   damping=1.0, privacy=privacy, rounds=rounds, family=family)
     driver.caller = "fit_global_vi"
     pooled_result = driver.run(rng_key, [pooled], rounds, eval_data=eval_data, progress=progress)
     history = [dict(entry, communications=entry["round"] * steps_per_round * len(clients),
@@ -67,8 +69,12 @@ def fit_global_vi(model, clients, *, steps: int = 1000, steps_per_round: int = 1
 
 def fit_bcm(model, clients, *, prior: str = "same", local_steps: int = 1000, batch_size: int | None = 100,
             num_samples: int = 10, optimizer: optax.GradientTransformation | None = None, rng_key=None,
-            eval_data=None, privacy=None, invalid: str = "prior") -> DPPVIResult:
+            eval_data=None, privacy=None, invalid: str = "prior", family: str = "mean_field") -> DPPVIResult:
     """Bayesian committee machine in one round (``prior="same" | "split"``), optionally with DP-SGD training.
+
+    ``family``: ``"mean_field"`` or ``"full_rank"`` (non-private); with ``"full_rank"`` a combined precision
+    that is not positive definite raises (the reset rule is per coordinate, which a full precision matrix
+    does not have).
 
     ``rng_key=None`` draws the key from the operating system (see :func:`~numpyro_dppvi.fit_dppvi`).
     ``invalid``: ``"prior"`` resets coordinates whose combined precision falls below the prior's to the
@@ -80,14 +86,14 @@ def fit_bcm(model, clients, *, prior: str = "same", local_steps: int = 1000, bat
         raise ValueError(f"fit_bcm: invalid must be 'prior' or 'raise', got {invalid!r}")
     driver = DPPVI(model, method="pvi" if privacy is None else "dp_optimisation", schedule="synchronous",
                    optimizer=optimizer, local_steps=local_steps, batch_size=batch_size, num_samples=num_samples,
-                   damping=1.0, privacy=privacy, rounds=1)
+                   damping=1.0, privacy=privacy, rounds=1, family=family)
     driver.caller = "fit_bcm"
     start = time.perf_counter()
     state = driver.init(rng_key, clients)
     q0 = state.q  # prior (times the server's prior factor for non-Gaussian priors)
     sizes = np.asarray(driver.public_sizes, np.float32)
     weights = sizes / sizes.sum() if prior == "split" else np.ones_like(sizes)
-    local_priors = factors.Gaussian(weights[:, None] * q0.eta1, weights[:, None] * q0.eta2)
+    local_priors = factors.Gaussian(*(np.reshape(weights, (-1,) + (1,) * x.ndim) * x for x in q0))
     q_k = driver.local_posteriors(state, local_priors)
     t_k = factors.divide(q_k, local_priors)  # each client's factor
     q = factors.multiply(q0, factors.product(t_k))
@@ -115,6 +121,9 @@ def reset_to_prior(q, prior, invalid: str = "prior"):
     a ValueError if it is improper. A non-finite ``q`` (a diverged local fit) raises under both rules:
     resetting it would return the prior as a posterior."""
     advice = "lower `local_steps` or the optimizer's learning rate"
+    if factors.is_full_rank(q):
+        factors.check_proper(q, "the full-rank BCM posterior (fit_bcm)", advice + ", or use family='mean_field'")
+        return q, 0
     if invalid == "raise" or not (bool(jnp.all(jnp.isfinite(q.eta1))) and bool(jnp.all(jnp.isfinite(q.eta2)))):
         factors.check_proper(q, "the BCM posterior (fit_bcm)",
                              advice + ("" if invalid == "prior" else ", or pass invalid='prior'"))

@@ -33,10 +33,11 @@ from ..evaluation import evaluate
 from ..factors import Gaussian
 from ..model import ModelAdapter
 from ..privacy import Privacy, PrivacyLedger
-from ..optim import cvi, natural_gradient
+from ..optim import Newton, cvi, natural_gradient
 from ..privacy.adaptive_clip import adaptive_clip_init
 from ..results import DPPVIResult
 from . import server
+from .full_rank import NonPrivateFullRank, ServerFactorStepFullRank
 from .local import DPOptimisation, NonPrivate, ServerFactorStep
 from .privacy_plan import check_subsampled, client_level_plan, dp_sgd_plan, shard_update_plan
 from .server import SCHEDULES, PVIState
@@ -133,7 +134,9 @@ def convergence_advice(caller: str, schedule: str | None) -> tuple[str, str]:
 #: stored ledger too): any change would make the stored ledger count the wrong releases.
 RESUME_SETTINGS = ("method", "schedule", "local_steps", "batch_size", "num_samples", "damping", "server_steps",
                    "shards", "invalid", "precision_floor", "trusted_aggregator", "privacy_unit", "client_rate",
-                   "planned_rounds", "tail_average", "privacy")
+                   "planned_rounds", "tail_average", "family", "privacy")
+#: What a checkpoint written before a setting existed meant by it.
+SAVED_BEFORE = {"family": "mean_field"}
 
 
 @dataclass(frozen=True)
@@ -191,15 +194,18 @@ def _initial_state(rule, server_step, num_clients, data, mask, key_data, prior, 
     """The state before round 1 (``q_0`` = prior times the server's refined prior factor): one
     program, jitted and cached per (rule, server step, number of clients) by ``DPPVI.init``."""
     m, dim = num_clients, prior.eta1.shape[0]
+    family = getattr(rule, "FAMILY", "mean_field")
     half = jnp.full(dim, -0.5, prior.eta2.dtype)  # a strongly typed state: a resumed one compiles nothing new
-    t0 = Gaussian(jnp.zeros(dim, prior.eta1.dtype), jnp.where(server_mask, half, jnp.zeros_like(half)))
+    t0 = factors.as_family(Gaussian(jnp.zeros(dim, prior.eta1.dtype), jnp.where(server_mask, half, jnp.zeros_like(half))),
+                           family)
+    prior = factors.as_family(prior, family)
     q = factors.multiply(prior, t0)
     init_key = jax.random.fold_in(jax.random.wrap_key_data(key_data), 0x7FFFFFFF)
     client_state = jax.vmap(rule.init_client_state)(data, mask, jax.random.split(init_key, m))
     if extras:
         client_state = dict(client_state, **extras) if isinstance(client_state, dict) else dict(extras)
-    state = PVIState(q=q, factors=Gaussian(jnp.zeros((m, dim)), jnp.zeros((m, dim))), server_factor=t0,
-                     noise_factor=factors.zeros(dim), q_seen=server.broadcast(q, m), client_state=client_state,
+    state = PVIState(q=q, factors=server.broadcast(factors.zeros(dim, family=family), m), server_factor=t0,
+                     noise_factor=factors.zeros(dim, family=family), q_seen=server.broadcast(q, m), client_state=client_state,
                      key=key_data, round=jnp.array(0, jnp.int32), communications=jnp.array(0, jnp.int32),
                      active=jnp.ones(m, bool), participations=jnp.zeros(m, jnp.int32))
     if server_step is not None:
@@ -284,6 +290,12 @@ class DPPVI:
             ``method="pvi"`` local steps; clients sampled with probability ``client_rate``).
         tail_average: the share of the last local iterates whose mean is the client's answer (default
             0.5 for ``"pvi"``, 0 otherwise; :func:`~numpyro_dppvi.pvi.local.optimise`).
+        family: the Gaussian family of ``q`` and of every factor: ``"mean_field"`` (default: independent
+            coordinates, ``O(D)`` per factor) or ``"full_rank"`` (a full precision matrix, ``O(D^2)``
+            memory per client and ``O(D^3)`` per step; local steps by :class:`~numpyro_dppvi.optim.Newton`,
+            :mod:`~numpyro_dppvi.pvi.full_rank`). Mean-field under-states the sds of correlated posteriors
+            (docs/guide.md, "Choosing the family"). ``"full_rank"`` is available without privacy
+            (``method="pvi"``, :func:`fit_global_vi`, :func:`fit_bcm`).
     """
 
     def __init__(self, model, method: str = "pvi", schedule: str | None = None,
@@ -291,11 +303,26 @@ class DPPVI:
                  batch_size: int | None = None, num_samples: int = 10, damping: float | None = None,
                  server_steps: int = 50, privacy=None, rounds: int | None = None, shards=None,
                  invalid: str | None = None, precision_floor: float | None = None, trusted_aggregator: bool = False,
-                 privacy_unit: str = "example", client_rate: float = 1.0, tail_average: float | None = None):
+                 privacy_unit: str = "example", client_rate: float = 1.0, tail_average: float | None = None,
+                 family: str = "mean_field"):
         if method not in METHODS:
             raise ValueError(f"unknown method {method!r}; choose one of {METHODS}")
+        factors.check_family(family, "DPPVI")
+        if family == "full_rank" and (method != "pvi" or privacy is not None):
+            raise ValueError(f"family='full_rank' is available without privacy (method='pvi', fit_global_vi, fit_bcm); "
+                             f"method={method!r}{' with privacy' if privacy is not None else ''} needs "
+                             "family='mean_field' for now (a private full-rank release is issue 22's next part)")
+        if family == "full_rank" and optimizer is not None and not isinstance(optimizer, Newton):
+            raise ValueError("family='full_rank' takes Newton steps with exact expected Hessians: pass "
+                             "optimizer=optim.Newton(precision_step=...) or leave optimizer out (optax "
+                             "transformations act on the (loc, log_scale) of a mean-field q)")
+        if family == "mean_field" and isinstance(optimizer, Newton):
+            raise ValueError("optim.Newton is the local step of family='full_rank'; pass family='full_rank' or an "
+                             "optax optimizer")
         defaults = METHOD_DEFAULTS.get(method, {})
         schedule = default_schedule(method, trusted_aggregator, privacy_unit) if schedule is None else schedule
+        if family == "full_rank" and optimizer is None:
+            optimizer = Newton()
         optimizer = defaults.get("optimizer", DEFAULT_OPTIMIZER) if optimizer is None else optimizer
         local_steps = defaults.get("local_steps", DEFAULT_LOCAL_STEPS) if local_steps is None else local_steps
         damping = defaults.get("damping", 1.0) if damping is None else damping
@@ -375,6 +402,7 @@ class DPPVI:
         self.privacy_unit = privacy_unit
         self.client_rate = float(client_rate)
         self.tail_average = float(tail_average)
+        self.family = family
         self.adapter: ModelAdapter | None = None
         self.ledger = None
         self.plan = None
@@ -417,6 +445,9 @@ class DPPVI:
             self.rule = cls(a.log_lik_rows, a.dim, self.optimizer, self.local_steps, self.num_samples,
                             clip=None if p is None else p.clip, damping=self.damping, invalid=self.invalid,
                             precision_floor=self.precision_floor)
+        elif self.family == "full_rank":
+            self.rule = NonPrivateFullRank(a.log_lik_rows, a.dim, self.optimizer, self.local_steps, self.batch_size,
+                                           self.num_samples, average=self.tail_average)
         else:
             if self.privacy_unit == "client":
                 self.plan = client_level_plan(p, self.num_clients, self.planned_rounds, self.client_rate, dimension)
@@ -424,11 +455,15 @@ class DPPVI:
                                    self.num_samples, average=self.tail_average)
         if self.plan is not None:
             self._warn_if_noise_swamps()
-        self.server_step = (
-            ServerFactorStep(a.server_log_density, tuple(bool(b) for b in np.asarray(a.server_mask)), self.optimizer,
-                             self.server_steps, self.num_samples)
-            if a.has_server_factor else None
-        )
+        server_mask = tuple(bool(b) for b in np.asarray(a.server_mask))
+        if not a.has_server_factor:
+            self.server_step = None
+        elif self.family == "full_rank":
+            self.server_step = ServerFactorStepFullRank(a.server_log_density, server_mask, self.server_steps,
+                                                        self.num_samples, self.optimizer.precision_step)
+        else:
+            self.server_step = ServerFactorStep(a.server_log_density, server_mask, self.optimizer, self.server_steps,
+                                                self.num_samples)
         self.spec = RoundSpec(self.rule, self.server_step, self.schedule, self.damping, self.privacy_unit,
                               self.trusted_aggregator, self.client_rate, None if p is None else p.clip, self.invalid,
                               self.precision_floor, self.num_clients)
@@ -594,7 +629,8 @@ class DPPVI:
                "server_steps": self.server_steps, "planned_rounds": self.planned_rounds,
                "privacy_unit": self.privacy_unit, "client_rate": self.client_rate,
                "trusted_aggregator": self.trusted_aggregator, "invalid": self.invalid,
-               "precision_floor": self.precision_floor, "tail_average": self.tail_average, "shards": None,
+               "precision_floor": self.precision_floor, "tail_average": self.tail_average, "family": self.family,
+               "shards": None,
                "privacy": None}
         if self.method in UPDATE_METHODS and self.adapter is not None:
             out["shards"] = "rows" if self.shards == ROWS else [int(k) for k in self.num_shards]
@@ -820,7 +856,8 @@ class DPPVI:
                              "with its own key: drop rng_key")
         template = self._init(key_data, meta.get("seed", "unspecified"), clients)
         mine = self.settings()
-        changed = [name for name in RESUME_SETTINGS if _json(mine.get(name)) != _json(saved.get(name))]
+        changed = [name for name in RESUME_SETTINGS
+                   if _json(mine.get(name)) != _json(saved.get(name, SAVED_BEFORE.get(name)))]
         if changed:
             detail = "; ".join(f"{n}: saved {saved.get(n)!r}, now {mine.get(n)!r}" for n in changed)
             raise ValueError(f"{path} was fitted with other settings, so its ledger would count the wrong releases; "
@@ -862,7 +899,8 @@ def fit_dppvi(model, clients, *, method: str = "pvi", schedule: str | None = Non
     ``method="dp_optimisation"`` with ``privacy=Privacy(epsilon=..., delta=..., clip=...)`` calibrates
     the noise so that every client's releases over ``rounds`` rounds meet the budget; the result's
     ``privacy`` ledger reports what was spent. ``options`` are the remaining :class:`DPPVI` arguments
-    (``shards``, ``invalid``, ``precision_floor``, ``trusted_aggregator``, ``privacy_unit``, ``client_rate``).
+    (``shards``, ``invalid``, ``precision_floor``, ``trusted_aggregator``, ``privacy_unit``, ``client_rate``,
+    ``tail_average``, ``family``).
 
     Defaults (:data:`METHOD_DEFAULTS`): ``schedule`` sequential for ``"pvi"`` and ``"dp_optimisation"``,
     synchronous otherwise; ``rounds=None``: non-private fits run until ``q`` has converged (checked
@@ -883,7 +921,7 @@ def fit_dppvi(model, clients, *, method: str = "pvi", schedule: str | None = Non
     ``numpyro_dppvi.fit_dppvi`` also takes ``method="vips"`` (federated VIPS, :mod:`numpyro_dppvi.fit`).
     """
     unknown = set(options) - {"shards", "invalid", "precision_floor", "trusted_aggregator", "privacy_unit",
-                              "client_rate", "tail_average"}
+                              "client_rate", "tail_average", "family"}
     if unknown:
         hint = " (a privacy budget goes in privacy=dppvi.Privacy(epsilon=..., delta=...))" if unknown & {
             "epsilon", "delta", "clip", "noise_multiplier"} else ""

@@ -47,7 +47,7 @@ class PVIState(NamedTuple):
     """Everything a fit needs to continue: a pytree of arrays. **Private**: it holds the fit's key
     and every client's private state; it goes only into the private checkpoint."""
 
-    q: Gaussian  # [D]
+    q: Gaussian  # eta1 [D]; eta2 [D] (mean-field) or [D, D] (full-rank), and so on below
     factors: Gaussian  # [M, D]
     server_factor: Gaussian  # [D]; zero on coordinates with an exact Gaussian prior
     noise_factor: Gaussian  # [D]; the server-held aggregate noise (trusted aggregator, client-level DP)
@@ -100,7 +100,7 @@ def synchronous(rule, damping, state: PVIState, data, mask, sizes, key, limits):
     # gradients, or a non-private step) is dropped: post-processing of the releases.
     failed = state.active & ~jax.vmap(_finite)(q_new)
     ok = state.active & ~failed
-    delta = Gaussian(*(jnp.where(ok[:, None], damping * (new - q_), 0.0) for new, q_ in zip(q_new, broadcast(q, m))))
+    delta = Gaussian(*(jnp.where(_expand(ok, new), damping * (new - q_), 0.0) for new, q_ in zip(q_new, broadcast(q, m))))
     new_factors = factors.multiply(state.factors, delta)
     new_q = factors.multiply(q, factors.product(delta))
     client_state = jax.tree.map(lambda new, old: jnp.where(_expand(ok, new), new, old), client_state, state.client_state)
@@ -123,7 +123,7 @@ def _finite(g: Gaussian) -> jax.Array:
 
 def _finite_coordinates(g: Gaussian) -> jax.Array:
     """``[D]`` bool: finite natural parameters and mean on each coordinate."""
-    return jnp.isfinite(g.eta1) & jnp.isfinite(g.eta2) & jnp.isfinite(g.eta1 / g.eta2)
+    return factors.finite_coordinates(g)
 
 
 def _expand(flag, x):
