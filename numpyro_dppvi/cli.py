@@ -437,7 +437,10 @@ def main(argv=None) -> int:
     if os.environ.get("NUMPYRO_DPPVI_NO_COMPILATION_CACHE", "").strip() in ("", "0"):
         from .compilation_cache import enable_compilation_cache  # on by default for the command line
 
-        enable_compilation_cache()
+        try:
+            enable_compilation_cache()
+        except PermissionError as exc:  # run without it, and say why
+            print(f"note: {exc} Running without the persistent compilation cache.", file=sys.stderr)
     if args.command == "demo":
         return demo(args)
     if args.command == "run":

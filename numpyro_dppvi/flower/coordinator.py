@@ -172,8 +172,10 @@ class Coordinator:
         """Close a round: check ``q`` and append the public history entry."""
         self.round += 1
         m = len(self.clients)
-        entry = {"round": self.round, "seconds": seconds, "communications": self.communications,
+        entry = {"round": self.round, "communications": self.communications,
                  "participated": [j in log.participated for j in range(m)]}
+        if self.method == "pvi":  # a private round's time follows the nodes' secret batch sizes (issue 24)
+            entry["seconds"] = seconds
         for name in ("stopped", "failed"):
             if getattr(log, name):
                 entry[name] = sorted(getattr(log, name))

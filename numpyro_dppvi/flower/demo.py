@@ -78,7 +78,8 @@ def run_demo(rounds: int = 3, epsilon: float = 1.0, timeout: float = 600.0, keep
             lines = path.read_text().splitlines() if path.exists() else []
             for line in lines[shown:]:
                 entry = json.loads(line)
-                out(f"  round {entry['round']}: {entry['seconds']:.1f} s, participated {entry['participated']}"
+                took = f" {entry['seconds']:.1f} s," if "seconds" in entry else ""
+                out(f"  round {entry['round']}:{took} participated {entry['participated']}"
                     + (f", dropped {entry['dropped']}" if entry.get("dropped") else ""))
             shown = len(lines)
 

@@ -33,6 +33,7 @@ from ..data import validate_clients
 from ..factors import Gaussian
 from ..model import ModelAdapter
 from ..privacy import Privacy
+from ..privacy.noise import float32_at_least
 from ..pvi.fit import model_adapter
 from ..optim import cvi
 from ..pvi.local import DPOptimisation, NonPrivate
@@ -137,7 +138,7 @@ def initial_rule_state(rule, plan: PrivacyPlan | None, arrays, mask, key):
     state = rule.init_client_state(arrays, mask, key)
     if plan is None:
         return state
-    extras = {"noise_std": np.float32(plan.noise_std(0)), "rate": np.asarray(plan.rates, np.float32)[0]}
+    extras = {"noise_std": float32_at_least(plan.noise_std(0)), "rate": np.asarray(plan.rates, np.float32)[0]}
     return dict(state, **extras) if isinstance(state, dict) else extras
 
 

@@ -10,7 +10,8 @@ answer instead of computing it again.
 An answer is a pure function of its question, so a kept value is exactly the value the accountant
 would return (a float written with ``repr`` reads back bit for bit): the ledger's epsilon is the
 same to the last digit whether computed or read. Each entry is bound to its question, to the
-versions of the accountant libraries and to :data:`FORMAT` by an HMAC-SHA256 under a secret of 32
+versions of the accountant libraries and of this package, the source of its privacy code
+(:func:`_versions`) and :data:`FORMAT` by an HMAC-SHA256 under a secret of 32
 random bytes in ``accounting.key`` (created with mode 0600 in a folder of mode 0700; a secret or a
 folder that another user owns, may write or may read turns the memo off). An entry
 that does not verify (edited, copied from another folder or user, written by another version) is
@@ -50,12 +51,21 @@ def use(folder: str | os.PathLike | None) -> None:
 
 @functools.lru_cache(maxsize=1)
 def _versions() -> str:
+    """What an answer depends on besides its question: the versions of the accountant libraries and of
+    this package, and a digest of the source of this package's privacy code (a development checkout
+    keeps its version while its accountant code changes). Issue 24: bound to the libraries' versions only,
+    an answer written by another version of this package (another calibration rule, another grid)
+    was served as this code's answer."""
     out = []
-    for package in ("dp-accounting", "autodp"):
+    for package in ("dp-accounting", "autodp", "numpyro_dppvi"):
         try:
             out.append(f"{package} {metadata.version(package)}")
         except metadata.PackageNotFoundError:
             out.append(f"{package} absent")
+    digest = hashlib.sha256()
+    for source in sorted(Path(__file__).resolve().parent.glob("*.py")):
+        digest.update(source.name.encode() + b"\0" + source.read_bytes() + b"\0")
+    out.append(f"privacy code {digest.hexdigest()}")
     return "; ".join(out)
 
 

@@ -64,16 +64,39 @@ def finite_rows(tree) -> jax.Array:
     )
 
 
-def per_example_norms(tree) -> jax.Array:
-    """Joint L2 norm per example, ``||g_i|| = sqrt(sum_leaves sum_j g_{i,leaf,j}^2)``, for a
-    pytree whose leaves share a leading example axis; ``inf`` for a row with a non-finite entry."""
+#: Relative margin below ``C`` of a clipped term: ``C (1 - 2^-22)``. The norm is computed in float64
+#: (exact to ~1e-16 for the float32 entries); scaling a float32 entry rounds it by at most 2^-24
+#: (relative), and so does rounding the scale factor to float32, so a clipped term's norm is at most
+#: ``C (1 - 2^-22) (1 + 2^-24)^2 < C`` in float32, as the sensitivity argument assumes. Issue 24: with
+#: norms and factors in float32, 31% of clipped norms were above ``C`` (by up to 1.6e-7, relative).
+CLIP_MARGIN = 2.0**-22
+
+
+def _norms_and_factors(tree, clip):
+    """``(norms, factors)``, both ``[B]`` in the leaves' dtype: the joint L2 norm of each example
+    (``inf`` for a row with a non-finite entry) and its clipping factor: 1 when the float64 norm is at
+    most ``C``, else ``C (1 - CLIP_MARGIN) / ||g_i||`` (0 for a non-finite row, which is zeroed)."""
     leaves = _check_leading_axis(tree)
     finite = finite_rows(tree)
-    squares = sum(
-        jnp.sum(jnp.reshape(jnp.where(_expand(finite, leaf), leaf, 0.0), (leaf.shape[0], -1)) ** 2, axis=1)
-        for leaf in leaves
-    )
-    return jnp.where(finite, _safe_sqrt(squares), jnp.inf)
+    dtype = jnp.result_type(*leaves)
+    with noise._x64():
+        squares = sum(
+            jnp.sum(jnp.reshape(jnp.where(_expand(finite, leaf), leaf, 0.0).astype(jnp.float64),
+                                (leaf.shape[0], -1)) ** 2, axis=1)
+            for leaf in leaves
+        )
+        norm = _safe_sqrt(squares)
+        factor = _scale_factor(norm, jnp.asarray(clip).astype(jnp.float64))
+        factor = jnp.where(finite, factor, 0.0).astype(dtype)
+        norm = jnp.where(finite, norm, jnp.inf).astype(dtype)
+    return norm, factor
+
+
+def per_example_norms(tree) -> jax.Array:
+    """Joint L2 norm per example, ``||g_i|| = sqrt(sum_leaves sum_j g_{i,leaf,j}^2)``, for a
+    pytree whose leaves share a leading example axis; ``inf`` for a row with a non-finite entry
+    (computed in float64, returned in the leaves' dtype)."""
+    return _norms_and_factors(tree, 1.0)[0]
 
 
 def _safe_sqrt(squares):
@@ -83,13 +106,16 @@ def _safe_sqrt(squares):
 
 
 def _scale_factor(norm, clip):
-    # min(1, C / ||g||); a zero norm gives factor 1 and no NaN gradient; an infinite norm gives 0
-    return jnp.minimum(1.0, clip / jnp.maximum(norm, jnp.finfo(jnp.result_type(norm)).tiny))
+    # 1 when ||g|| <= C, else C (1 - CLIP_MARGIN) / ||g|| (float64 in and out; see CLIP_MARGIN); a zero norm
+    # gives factor 1 and no NaN gradient; an infinite norm gives 0
+    shrink = clip * (1.0 - CLIP_MARGIN) / jnp.maximum(norm, jnp.finfo(jnp.result_type(norm)).tiny)
+    return jnp.where(norm <= clip, 1.0, shrink)
 
 
 def clip_per_example(tree, clip):
     """Clip each example's pytree slice jointly to L2 norm ``clip``:
-    ``g_i <- g_i * min(1, C / ||g_i||)``; a row with a non-finite entry becomes zero.
+    ``g_i <- g_i * min(1, C / ||g_i||)`` (``C`` less :data:`CLIP_MARGIN`, so that the float32 result
+    has norm ``<= C``); a row with a non-finite entry becomes zero.
 
     Sensitivity: every clipped term has norm ``<= C`` (a zeroed row has norm 0), so
     ``sum_i clip(g_i)`` moves by at most ``C`` when one record is added or removed and ``2C`` when
@@ -101,9 +127,8 @@ def clip_per_example(tree, clip):
       (``inf`` for a non-finite row).
     """
     _check_positive("clip", clip)
-    norms = per_example_norms(tree)
+    norms, factor = _norms_and_factors(tree, clip)
     keep = jnp.isfinite(norms)
-    factor = jnp.where(keep, _scale_factor(norms, clip), 0.0)
 
     def scale(leaf):
         return jnp.where(_expand(keep, leaf), leaf, 0.0) * _expand(factor, leaf).astype(leaf.dtype)
@@ -128,9 +153,9 @@ def clipped_sum(tree, clip, mask=None):
       (``inf`` for a non-finite row).
     """
     _check_positive("clip", clip)
-    norms = per_example_norms(tree)
+    norms, factor = _norms_and_factors(tree, clip)
     keep = jnp.isfinite(norms) if mask is None else (jnp.isfinite(norms) & mask)
-    weight = jnp.where(keep, _scale_factor(norms, clip), 0.0)
+    weight = jnp.where(keep, factor, 0.0)
 
     def weighted_sum(leaf):
         leaf = jnp.where(_expand(keep, leaf), leaf, 0.0)
@@ -160,8 +185,12 @@ def clip_update(tree, clip):
     leaves = jax.tree_util.tree_leaves(tree)
     finite = functools.reduce(jnp.logical_and, [jnp.all(jnp.isfinite(leaf)) for leaf in leaves])
     zeroed = jax.tree_util.tree_map(lambda leaf: jnp.where(finite, leaf, 0.0), tree)
-    norm = tree_norm(zeroed)
-    factor = jnp.where(finite, _scale_factor(norm, clip), 0.0)
+    dtype = jnp.result_type(*leaves)
+    with noise._x64():  # the norm and factor in float64, as in per-example clipping (CLIP_MARGIN)
+        norm = _safe_sqrt(sum(jnp.sum(jnp.asarray(leaf).astype(jnp.float64) ** 2)
+                              for leaf in jax.tree_util.tree_leaves(zeroed)))
+        factor = jnp.where(finite, _scale_factor(norm, jnp.asarray(clip).astype(jnp.float64)), 0.0).astype(dtype)
+        norm = norm.astype(dtype)
     clipped = jax.tree_util.tree_map(lambda leaf: leaf * factor.astype(leaf.dtype), zeroed)
     return clipped, jnp.where(finite, norm, jnp.inf)
 

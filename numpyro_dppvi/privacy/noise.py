@@ -45,6 +45,7 @@ import math
 
 import jax
 import jax.numpy as jnp
+import numpy as np
 from jax import lax
 from jax.scipy.special import ndtri
 
@@ -80,6 +81,22 @@ def normal_from_bits(words: jax.Array) -> jax.Array:
     u = jnp.ldexp(1.0 + (mantissa + 0.5) / _TWO_52, -(leading_zeros + 2))
     magnitude = -ndtri(u)
     return jnp.where(negative, -magnitude, magnitude)
+
+
+def float32_at_least(values) -> np.ndarray:
+    """``values`` rounded **up** to float32 (``float32(z C)`` is below ``z C`` for about half of all
+    ``z``: a noise std stored in float32 must never be below the calibrated one; issue 24)."""
+    exact = np.asarray(values, np.float64)
+    rounded = exact.astype(np.float32)
+    below = rounded.astype(np.float64) < exact
+    return np.where(below, np.nextafter(rounded, np.float32(np.inf)), rounded).astype(np.float32)
+
+
+def to_float32_up(x) -> jax.Array:
+    """A float64 array (inside the float64 context) rounded **up** to float32: :func:`float32_at_least`
+    for traced values (e.g. a noise share computed inside the round)."""
+    rounded = x.astype(jnp.float32)
+    return jnp.where(rounded.astype(jnp.float64) < x, jnp.nextafter(rounded, jnp.float32(jnp.inf)), rounded)
 
 
 def standard_normal(key, shape) -> jax.Array:

@@ -35,6 +35,7 @@ from ..model import ModelAdapter
 from ..privacy import Privacy, PrivacyLedger
 from ..optim import Newton, cvi, natural_gradient
 from ..privacy.adaptive_clip import adaptive_clip_init
+from ..privacy.noise import float32_at_least
 from ..results import DPPVIResult
 from . import server
 from .full_rank import NonPrivateFullRank, ServerFactorStepFullRank
@@ -468,8 +469,8 @@ class DPPVI:
                               self.trusted_aggregator, self.client_rate, None if p is None else p.clip, self.invalid,
                               self.precision_floor, self.num_clients)
         self._program = round_program(self.spec)
-        self._server_noise_std = to_device(
-            self.plan.noise_std(0) if self.plan is not None and self.plan.kind == "client" else 0.0, np.float32)
+        self._server_noise_std = to_device(float32_at_least(
+            self.plan.noise_std(0) if self.plan is not None and self.plan.kind == "client" else 0.0), np.float32)
 
     def _signal_terms(self, plan) -> np.ndarray:
         """Per client: clipped contributions summed in one release (see :func:`diagnostics.noise_to_signal`)."""
@@ -533,8 +534,8 @@ class DPPVI:
                                      settings.target_quantile, settings.learning_rate)
                   for z in self.plan.noise_multipliers]
         return {"clip": jax.tree.map(lambda *xs: jnp.stack(xs), *states),
-                "noise_per_clip": to_device([p.gradient_noise_std(float(z), clip=1.0)
-                                             for z in self.plan.noise_multipliers], np.float32)}
+                "noise_per_clip": to_device(float32_at_least([p.gradient_noise_std(float(z), clip=1.0)
+                                                              for z in self.plan.noise_multipliers]), np.float32)}
 
     def init(self, rng_key, clients) -> PVIState:
         """Validate and lay out the clients, trace the model, and return the initial state (``q_0`` = prior).
@@ -553,7 +554,7 @@ class DPPVI:
             extras.update(ids=np.asarray(self.shard_ids), num_shards=np.asarray(self.num_shards, np.float32),
                           noise_std=np.zeros(m, np.float32))
         if self.plan is not None and self.plan.kind != "client":
-            extras["noise_std"] = np.array([self.plan.noise_std(j) for j in range(m)], np.float32)
+            extras["noise_std"] = float32_at_least([self.plan.noise_std(j) for j in range(m)])
         if self.plan is not None and self.plan.kind == "dp_sgd":
             extras["rate"] = np.asarray(self.plan.rates, np.float32)
         if self.privacy is not None and self.privacy.adaptive_clip is not None:
@@ -656,8 +657,11 @@ class DPPVI:
     def _public_entry(self, state, metrics, seconds) -> tuple[dict, dict]:
         """Split one round's record into what may be published and what stays in the private checkpoint."""
         client_level = self.privacy_unit == "client"
-        entry = {"round": int(state.round), "seconds": seconds}
+        entry = {"round": int(state.round)}
         private = {"round": int(state.round)}
+        # A round's time follows the realised (secret) Poisson batch sizes (poisson_fold's passes): a
+        # private fit keeps it out of the published history (issue 24, finding 7).
+        (private if self.plan is not None else entry)["seconds"] = seconds
         participated = np.asarray(metrics["participated"]).tolist()
         if client_level:  # the client sample and its size would void the subsampling amplification
             private.update(participated=participated, communications=int(state.communications))

@@ -336,7 +336,8 @@ class DPOptimisation(NonPrivate):
         adaptive = "clip" in client_state
         clip = client_state["clip"].clip if adaptive else self.clip
         summed, count = self.sampled_clipped_sum(params, eps, arrays, mask, k_batch, rate, clip)
-        std = client_state["noise_per_clip"] * clip if adaptive else client_state["noise_std"]
+        # a float32 product rounds by half an ulp at most: one ulp up keeps the std >= the calibrated one
+        std = jnp.nextafter(client_state["noise_per_clip"] * clip, jnp.inf) if adaptive else client_state["noise_std"]
         noisy = add_gaussian_noise(k_noise, summed, std)
         prior_value, prior_grad = jax.value_and_grad(lambda p: objectives.cavity_term(p, cavity) / n)(params)
         grads = jax.tree.map(lambda s, pg: -(s / (rate * n) + pg), noisy, prior_grad)  # E[batch] = rate n

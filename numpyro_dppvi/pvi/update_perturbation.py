@@ -60,6 +60,7 @@ import optax
 
 from .. import factors, objectives
 from ..factors import Gaussian
+from ..privacy import noise
 from ..privacy.mechanisms import add_gaussian_noise, clip_update
 from .local import optimise
 
@@ -247,7 +248,9 @@ def trusted_aggregator_round(rule: ShardRule, damping, state, data, mask, sizes,
     scale = jax.vmap(rule.scale)(cs["num_shards"])
     count = jnp.maximum(jnp.sum(participating), 1)
     largest = jnp.max(jnp.where(participating, scale, 0.0))
-    share = cs["noise_std"] * largest / (scale * jnp.sqrt(count.astype(jnp.float32)))
+    with noise._x64():  # in float64, rounded up: no participant's share below its calibrated std (issue 24)
+        f64 = lambda v: jnp.asarray(v).astype(jnp.float64)
+        share = noise.to_float32_up(f64(cs["noise_std"]) * f64(largest) / (f64(scale) * jnp.sqrt(f64(count))))
     sent = jax.vmap(lambda k, s, std, c: factors.scale(add_gaussian_noise(k, s, std), c))(
         noise_keys, summed, share, scale)
     aggregate = factors.product(Gaussian(*(jnp.where(participating[:, None], x, 0.0) for x in sent)))

@@ -411,3 +411,99 @@ def test_the_persistent_compilation_cache_holds_no_data_row(tmp_path):
     assert entries and any(np.float32(1.7320508).tobytes() in e for e in entries)
     for row in x:  # 12 contiguous bytes, as a constant row would be stored
         assert not any(row.tobytes() in e for e in entries)
+
+
+# --------------------------------------------------------------------------- issue 24
+
+
+def test_a_memo_answer_written_by_another_version_of_this_package_is_not_served(tmp_path, monkeypatch):
+    """Finding 8. The attacker is our own past: an accountant memo written by another version of this
+    package (another calibration rule, another grid) in the same folder, with the same secret. Before
+    the fix the entry was bound to the accountant libraries' versions only, and was served."""
+    from importlib import metadata
+
+    from numpyro_dppvi.privacy import accounting_memo
+
+    real = metadata.version
+    accounting_memo.use(tmp_path / "cache")
+    try:
+        monkeypatch.setattr(metadata, "version", lambda name: "0.0.1" if name == "numpyro_dppvi" else real(name))
+        accounting_memo._versions.cache_clear()
+        accounting_memo.store("epsilon of some plan", 0.25)  # the other version's answer
+        assert accounting_memo.load("epsilon of some plan") == 0.25
+        monkeypatch.setattr(metadata, "version", real)
+        accounting_memo._versions.cache_clear()
+        assert accounting_memo.load("epsilon of some plan") is None
+    finally:
+        accounting_memo.use(None)
+        accounting_memo._versions.cache_clear()
+
+
+@pytest.mark.skipif(not hasattr(os, "getuid"), reason="POSIX owners and modes")
+@pytest.mark.parametrize("where", ["folder", "entry"])
+def test_the_compilation_cache_refuses_a_folder_another_user_can_write(tmp_path, where):
+    """Finding 3. The attacker is another local user who can write the cache folder (or a file in it):
+    JAX would run the program they put there (e.g. the round without its noise) while the ledger counts
+    the noise. The folder is refused before JAX is pointed at it; before the fix it was used."""
+    folder = tmp_path / "shared-cache"
+    folder.mkdir()
+    if where == "folder":
+        folder.chmod(0o777)
+    else:
+        planted = folder / "jit_round-0123456789abcdef-cache"
+        planted.write_bytes(b"a program")
+        folder.chmod(0o755)
+        planted.chmod(0o666)
+    previous = jax.config.jax_compilation_cache_dir
+    with pytest.raises(PermissionError, match="another user could replace"):
+        dppvi.enable_compilation_cache(folder)
+    assert jax.config.jax_compilation_cache_dir == previous  # nothing switched on
+
+
+def test_a_published_private_history_holds_no_round_times(tmp_path):
+    """Finding 7. The public knows the published result; a DP-SGD round walks its Poisson batch in as many
+    chunks as the batch drawn needs, so per-round times correlated 0.44 with the secret batch sizes. A
+    private fit's published history (and file) holds no time; the private checkpoint's history has it."""
+    clients = data()
+    ckpt = tmp_path / "fit.ckpt"
+    result = dppvi.fit_dppvi(logistic, clients, rng_key=jax.random.key(0), checkpoint=ckpt, **DP)
+    assert all("seconds" not in entry for entry in result.history)
+    result.save(tmp_path / "fit.npz")
+    assert "seconds" not in json.dumps(dppvi.load(tmp_path / "fit.npz", logistic).history)
+    _, meta = checkpoint.load(ckpt)
+    assert all("seconds" in entry for entry in meta["private_history"])
+    public = dppvi.fit_dppvi(logistic, clients, rng_key=jax.random.key(0), rounds=2)
+    assert all("seconds" in entry for entry in public.history)  # nothing private to hide
+
+
+@pytest.mark.filterwarnings("ignore::numpyro_dppvi.diagnostics.NoiseWarning")
+def test_a_noise_std_stored_in_float32_is_never_below_the_calibrated_one():
+    """Finding 9. Knowing the code, an auditor recomputes ``z C``: stored as ``float32(z C)`` it was below
+    ``z C`` for 48% of ``z`` (by up to 6e-8, relative), so the release carried less noise than the ledger
+    charged. 30 noise multipliers: before the fix all 30 would pass with probability ~0.52^30."""
+    clients = data()
+    rng = np.random.default_rng(24)
+    for z in rng.uniform(0.5, 3.0, size=30):
+        driver = dppvi.DPPVI(logistic, method="dp_optimisation", batch_size=5, local_steps=2, rounds=1,
+                             privacy=Privacy(noise_multiplier=float(z), clip=0.7))
+        state = driver.init(jax.random.key(0), clients)
+        stored = np.asarray(state.client_state["noise_std"], np.float64)
+        wanted = np.array([driver.plan.noise_std(m) for m in range(len(clients))], np.float64)
+        assert np.all(stored >= wanted), (z, stored - wanted)
+
+
+def test_clipped_terms_have_norm_at_most_c_in_float32():
+    """Finding 9. Per-example terms of many sizes and scales clipped to ``C``: every clipped float32 row
+    has float64 norm ``<= C`` (before the fix 31% exceeded it, by up to 1.6e-7 relative), and rows below
+    ``C`` are untouched."""
+    from numpyro_dppvi.privacy import clip_per_example
+
+    rng = np.random.default_rng(9)
+    for dim in (1, 3, 17, 109, 1000):
+        g = (rng.normal(size=(500, dim)) * rng.lognormal(0.0, 2.0, size=(500, 1))).astype(np.float32)
+        for clip in (0.1, 1.0, 3.7):
+            clipped, norms = clip_per_example({"g": jnp.asarray(g)}, clip)
+            out = np.asarray(clipped["g"], np.float64)
+            assert np.all(np.linalg.norm(out, axis=1) <= clip), dim
+            small = np.linalg.norm(g.astype(np.float64), axis=1) <= clip
+            np.testing.assert_array_equal(out[small], g[small])
