@@ -424,7 +424,7 @@ class DPPVI:
         a, p = self.adapter, self.privacy
         dimension = 2 * a.dim  # noise coordinates of one release: (eta1, eta2) or (loc, log_scale)
         if self.method in UPDATE_METHODS:
-            layout = make_shards(clients, self.shards, keys.derived_bytes(key_data, keys.SHARD_HASH_TAG))
+            layout = self.shard_layout(clients, key_data)
             self.num_shards = layout.num_shards
             self.shard_ids = layout.ids
         else:
@@ -471,6 +471,15 @@ class DPPVI:
         self._program = round_program(self.spec)
         self._server_noise_std = to_device(float32_at_least(
             self.plan.noise_std(0) if self.plan is not None and self.plan.kind == "client" else 0.0), np.float32)
+
+    def shard_layout(self, clients, key_data, counts=None):
+        """The shards of ``clients`` as this fit derives them (update-perturbation methods): keyed by a
+        secret derived from ``key_data``, by the records' bytes, or by their positions under the
+        substitute relation (:mod:`.shards`); ``counts``: the planned shard counts (a neighbouring data
+        set is laid out under the settings of the original)."""
+        p = self.privacy
+        return make_shards(clients, self.shards, keys.derived_bytes(key_data, keys.SHARD_HASH_TAG), counts=counts,
+                           by_position=p is not None and p.neighbouring == "substitute")
 
     def _signal_terms(self, plan) -> np.ndarray:
         """Per client: clipped contributions summed in one release (see :func:`diagnostics.noise_to_signal`)."""
