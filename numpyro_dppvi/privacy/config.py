@@ -99,6 +99,9 @@ class Privacy:
         backends.check_supported(
             [GaussianEvent(1.0, self.sampling, 0.5)], self.neighbouring, self.accountant
         )
+        if self.noise_multiplier is not None and self.accountant == "pld":  # fail now, not at the report
+            backends.check_pld_size([(self.noise_multiplier, "poisson", 0.5, 1)], self.neighbouring,
+                                    backends.PLD_DISCRETIZATION)
         set_(self, "epsilon_max", self._validated_epsilon_max(self.epsilon_max))
         if self.adaptive_clip is not None and not isinstance(self.adaptive_clip, AdaptiveClip):
             raise TypeError("adaptive_clip must be an AdaptiveClip(...) or None.")
