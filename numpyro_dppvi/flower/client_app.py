@@ -9,8 +9,9 @@ in this order:
    run, settings changed within a fit, an expired message, an invalid cavity ``q / t_m``.
 2. The budget (private methods): at a fit's first step the noise is calibrated to the node's
    ``(epsilon, delta)`` given what the ledger already holds; at every step the client refuses if
-   ``epsilon(ledger + this participation) > epsilon``, and the ledger records the stop. The data
-   are not read before this check.
+   ``epsilon(ledger + this participation) > epsilon``, and the ledger records the stop. An
+   instruction the node cannot calibrate is refused (``"calibration"``) without touching the ledger.
+   The data are not read before this check.
 3. The update on the node's own rows, with a key of the client's secret seed.
 4. The charge, the new factor and the next key number are written durably (:func:`client_store.save`).
 5. Only then the reply: the factor change, data-free diagnostics and the client's ledger.
@@ -130,10 +131,13 @@ def take_step(node: NodeSettings, state: ClientState, instruction: Instruction, 
             record_signature(state, local_update.load_data(node))
     plan = None
     if i.method != "pvi":
-        plan, why = budget_check(node, state, fit, i)
+        plan, why, spent = budget_check(node, state, fit, i)
+        if plan is None and not spent:  # an instruction this node cannot calibrate: refused, budget untouched
+            return refuse("calibration", why)
         if plan is None:  # the ledger records the stop, written before the refusal leaves
-            state.ledger.stop(0, "epsilon_max", i.round)
-            client_store.save(state, node)
+            if 0 not in state.ledger.stopped:
+                state.ledger.stop(0, "epsilon_max", i.round)
+                client_store.save(state, node)
             return refuse("budget", why)
 
     # -- from here on the client reads its data
@@ -200,21 +204,25 @@ def refusal_without_data(node: NodeSettings, fit: dict | None, i: Instruction,
 
 
 def budget_check(node: NodeSettings, state: ClientState, fit: dict | None, i: Instruction):
-    """``(plan, "")`` when the node's budget pays one more participation, else ``(None, why)``.
+    """``(plan, "", False)`` when the node's budget pays one more participation, else ``(None, why, spent)``.
 
     The plan is calibrated at a fit's first step (to what the ledger leaves of the node's budget) and
     pinned afterwards; the step is allowed while ``epsilon(ledger + plan.event(1)) <= epsilon``
-    (``fit_dppvi``'s stop rule, checked against every fit on the node's data)."""
+    (``fit_dppvi``'s stop rule, checked against every fit on the node's data). ``spent``: the budget
+    itself refuses (a fit under way would pass it, or the node stopped earlier), and the node stops for
+    good. An instruction the node cannot calibrate (e.g. ``batch_size >= n``, or more planned rounds than
+    what is left of the budget pays) is refused with ``spent=False``: one such instruction from a server
+    used to stop the node for good, with nothing spent (issue 24, finding 4)."""
     ledger = state.ledger_for(node)
     if 0 in ledger.stopped:
-        return None, f"the node's budget epsilon={node.epsilon} is spent"
+        return None, f"the node's budget epsilon={node.epsilon} is spent", True
     dimension = 2 * int(np.shape(i.q.eta1)[-1])  # noise coordinates of one release: (loc, log_scale)
     try:
         plan = (local_update.calibrated_plan(node, i.settings, state.num_rows, dimension, ledger.events(0))
                 if fit is None or fit["noise_multiplier"] is None else
                 local_update.pinned_plan(node, i.settings, state.num_rows, dimension, fit["noise_multiplier"]))
-    except ValueError as exc:  # no noise meets what is left of the budget
-        return None, str(exc)
+    except ValueError as exc:  # settings that cannot be calibrated, or no noise meets what is left of the budget
+        return None, f"this instruction cannot be calibrated on this node: {exc}", False
     if ledger.epsilon_if(0, plan.event(0, 1)) > node.epsilon * (1 + 1e-9):
-        return None, f"one more participation would pass epsilon={node.epsilon}"
-    return plan, ""
+        return None, f"one more participation would pass epsilon={node.epsilon}", fit is not None
+    return plan, "", False

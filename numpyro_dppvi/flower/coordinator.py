@@ -144,7 +144,7 @@ class Coordinator:
             client.ledger = reply.ledger
         client.participations = reply.participations
         if reply.status == "refused":
-            if reply.reason in ("budget", "method", "model", "settings"):
+            if reply.reason in ("budget", "calibration", "method", "model", "settings"):
                 client.stopped = reply.reason
                 log.stopped.add(client.index)
             else:

@@ -143,3 +143,20 @@ def test_a_state_rewritten_without_the_key_is_refused(clients, tmp_path):
         client_store.load(node)
     reply = send(grid, FIRST_NODE_ID, instruction(round=2))
     assert reply.has_error() and "HMAC" in reply.error.reason
+
+
+def test_an_instruction_the_node_cannot_calibrate_does_not_stop_its_budget(clients, tmp_path):
+    """Issue 24, finding 4. The attacker is the server: one instruction the node cannot calibrate
+    (``batch_size`` at least the node's rows) used to be refused *and* stop the node's budget for good,
+    with nothing spent, so every later fit on its data was refused. Now the refusal leaves the ledger
+    alone and a valid instruction is served."""
+    config = node_config(tmp_path, 0, clients[0], epsilon=1.0)
+    grid = InProcessGrid(app, [config])
+    rows = len(clients[0][0])
+    impossible = LocalSettings(**{**SETTINGS.__dict__, "batch_size": rows})
+    refused = send(grid, FIRST_NODE_ID, instruction(settings=impossible))
+    assert (refused.status, refused.reason) == ("refused", "calibration")
+    ledger = client_store.load(NodeSettings.from_node_config(config)).ledger  # None: nothing written
+    assert ledger is None or (not ledger.stopped and ledger.num_releases(0) == 0)
+    assert send(grid, FIRST_NODE_ID, instruction(fit_id="fit-b")).status == "ok"
+    assert not client_store.load(NodeSettings.from_node_config(config)).ledger.stopped
