@@ -43,7 +43,7 @@ class PaddedClients(NamedTuple):
 # --------------------------------------------------------------------------- validation
 
 
-def _as_array_tuple(data, what: str) -> tuple[np.ndarray, ...]:
+def _as_array_tuple(data, what: str, finite: bool = True) -> tuple[np.ndarray, ...]:
     """Convert one client (a tuple/list of arrays) to a tuple of NumPy arrays."""
     if isinstance(data, (np.ndarray, np.generic)) or hasattr(data, "__array__"):
         raise TypeError(
@@ -83,7 +83,7 @@ def _as_array_tuple(data, what: str) -> tuple[np.ndarray, ...]:
             f"the arrays of {what} disagree on their leading dimension (shapes {shapes}); "
             "every array must have one row per individual."
         )
-    for j, arr in enumerate(arrays):
+    for j, arr in enumerate(arrays if finite else ()):
         if arr.dtype.kind in "fc" and not np.all(np.isfinite(arr)):
             bad = np.flatnonzero(~np.all(np.isfinite(arr.reshape(len(arr), -1)), axis=1)) if arr.ndim else [0]
             rows = ", ".join(str(int(i)) for i in bad[:5]) + (", ..." if len(bad) > 5 else "")
@@ -94,14 +94,15 @@ def _as_array_tuple(data, what: str) -> tuple[np.ndarray, ...]:
     return tuple(arrays)
 
 
-def validate_clients(clients) -> list[tuple[np.ndarray, ...]]:
+def validate_clients(clients, finite: bool = True) -> list[tuple[np.ndarray, ...]]:
     """Check a list of clients and return it as ``list[tuple[np.ndarray, ...]]``.
 
     Checks, each failing with a ``TypeError``/``ValueError`` that names the fix: ``clients`` is
     a non-empty list (or tuple) of clients; every client is a tuple of arrays, all clients with
     the same number of arrays; the arrays of a client agree on their leading dimension; array
     ``j`` has the same trailing shape and dtype in every client; float arrays hold no NaN/inf;
-    no client is empty.
+    no client is empty. ``finite=False`` leaves NaN/inf alone (a Flower node: see
+    :func:`numpyro_dppvi.flower.local_update.load_data`).
     """
     if isinstance(clients, (np.ndarray, np.generic)) or not isinstance(clients, (list, tuple)):
         raise TypeError(
@@ -118,7 +119,7 @@ def validate_clients(clients) -> list[tuple[np.ndarray, ...]]:
                 "client's (x, y), wrap it in a list: [(x, y)]; otherwise make each client a "
                 "tuple such as (x_m, y_m)."
             )
-        out.append(_as_array_tuple(client, f"client {m}"))
+        out.append(_as_array_tuple(client, f"client {m}", finite))
     first = out[0]
     for m, client in enumerate(out):
         if len(client) != len(first):

@@ -382,7 +382,7 @@ class ModelAdapter:
             total = total + jnp.sum(s.transform.log_abs_det_jacobian(parts[s.name], values[s.name]))
         return total
 
-    def validate_data(self, arrays: Sequence, what: str = "data") -> tuple:
+    def validate_data(self, arrays: Sequence, what: str = "data", finite: bool = True) -> tuple:
         arrays = _as_arrays(arrays)
         if len(arrays) != self.num_data_args:
             raise ValueError(
@@ -391,6 +391,6 @@ class ModelAdapter:
         for a, ref in zip(arrays, self.example_row):
             if a.shape[1:] != ref.shape[1:]:
                 raise ValueError(f"{what}: row shape {a.shape[1:]} differs from the model's {ref.shape[1:]}")
-            if jnp.issubdtype(a.dtype, jnp.inexact) and not np.all(np.isfinite(np.asarray(a))):
+            if finite and jnp.issubdtype(a.dtype, jnp.inexact) and not np.all(np.isfinite(np.asarray(a))):
                 raise ValueError(f"{what} contains NaN or inf: remove or impute those rows first")
         return arrays

@@ -19,6 +19,7 @@ so that the in-process grid can reproduce a simulated fit.
 from __future__ import annotations
 
 import functools
+import logging
 import importlib
 from typing import Callable
 
@@ -56,7 +57,13 @@ def load_model(reference: str) -> Callable:
 
 def load_data(node: NodeSettings) -> tuple[np.ndarray, ...]:
     """The node's data: the arrays ``data-arrays`` of ``data-file`` (``.npz``, read without pickle), checked
-    as ``fit_dppvi`` checks a client (numeric, finite, one row per individual)."""
+    as ``fit_dppvi`` checks a client (numeric, one row per individual), except for finiteness.
+
+    A row holding NaN or inf is kept (the node's size, a public setting, does not change) and contributes
+    nothing to a private release: its per-example gradient is not finite, and clipping zeroes such a
+    term before the sum (:func:`~numpyro_dppvi.privacy.mechanisms.clipped_sum`), the rule every DP-SGD
+    step applies to every record. Raising instead sent every message of the fit back as an unnoised
+    "this node holds a non-finite record" (issue 24, finding 6). The count goes to the node's own log."""
     try:
         with np.load(node.data_file, allow_pickle=False) as f:
             missing = [name for name in node.data_arrays if name not in f.files]
@@ -66,13 +73,21 @@ def load_data(node: NodeSettings) -> tuple[np.ndarray, ...]:
             arrays = tuple(f[name] for name in node.data_arrays)
     except FileNotFoundError as exc:
         raise SettingsError(f"data-file {node.data_file} does not exist; point data-file at the node's .npz data") from exc
-    return validate_clients([arrays])[0]
+    arrays = validate_clients([arrays], finite=False)[0]
+    bad = sum(int(np.sum(~np.all(np.isfinite(a.reshape(len(a), -1)), axis=1)))
+              for a in arrays if a.dtype.kind in "fc")
+    if bad:
+        logging.getLogger("numpyro_dppvi.flower.client").warning(
+            "client %s: %d row(s) of %s hold NaN or inf; they contribute nothing to private releases (their "
+            "gradients are zeroed by the clipping); impute or drop them in the data file", node.client_id, bad,
+            node.data_file)
+    return arrays
 
 
 def adapter_for(model: Callable, arrays) -> ModelAdapter:
     """The model traced on the client's own rows (cached by model and row shapes, as in ``fit_dppvi``)."""
     adapter = model_adapter(model, [arrays])
-    adapter.validate_data(arrays, "the node's data")
+    adapter.validate_data(arrays, "the node's data", finite=False)
     if adapter.has_server_factor:
         raise SettingsError("numpyro_dppvi.flower needs a model whose priors are Normal on real sites (no server-held "
                             "prior factor); reparametrise the other priors")

@@ -160,3 +160,19 @@ def test_an_instruction_the_node_cannot_calibrate_does_not_stop_its_budget(clien
     assert ledger is None or (not ledger.stopped and ledger.num_releases(0) == 0)
     assert send(grid, FIRST_NODE_ID, instruction(fit_id="fit-b")).status == "ok"
     assert not client_store.load(NodeSettings.from_node_config(config)).ledger.stopped
+
+
+@pytest.mark.parametrize("row", [0, 7])
+def test_a_non_finite_record_on_a_node_is_never_an_error_the_server_sees(clients, tmp_path, row):
+    """Issue 24, finding 6. The attacker is the server: a node holding a NaN record answered every message
+    with a ClientDataError before any noise, an unnoised "this data set holds a non-finite record". Now
+    the record's gradient is zeroed by the clipping like any non-finite term, the node answers as usual,
+    and its update is finite (row 0 is also among the rows the model is traced on)."""
+    x, y = (np.array(a) for a in clients[0])
+    x[row, 1] = np.nan
+    config = node_config(tmp_path, 0, (x, y))
+    grid = InProcessGrid(app, [config])
+    reply = send(grid, FIRST_NODE_ID, instruction())
+    assert not isinstance(reply, Message), reply.error.reason
+    assert reply.status == "ok" and reply.diagnostics["update_finite"] == 1.0
+    assert np.all(np.isfinite(reply.delta.eta1)) and np.all(np.isfinite(reply.delta.eta2))

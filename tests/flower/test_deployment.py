@@ -74,14 +74,15 @@ def test_two_supernodes_a_lost_node_a_spent_budget_and_a_restart(tmp_path):
         second = dppvi.load(second_dir / "result.npz", logistic_regression)
         j = by_client(second)
         ia, ib = j["client-0"], j["client-1"]
-        assert second.history[0]["stopped"] == [ia] and second.config["clients"][ia]["stopped"] == "budget"
+        # node-a's budget is spent: no calibration of the new fit; refused for it, its ledger untouched
+        assert second.history[0]["stopped"] == [ia] and second.config["clients"][ia]["stopped"] == "calibration"
         assert second.history[0]["participated"][ib] and not second.history[0]["participated"][ia]
     finally:
         left = federation.close()
     assert left == [] and not any(alive(s.process.pid) for s in federation.started)
 
     own = {name: client_store.load(NodeSettings.from_node_config(c)).ledger for name, c in nodes.items()}
-    assert own["node-a"].num_releases(0) == 15 and own["node-a"].stopped[0]["reason"] == "epsilon_max"
+    assert own["node-a"].num_releases(0) == 15 and not own["node-a"].stopped  # a refusal is no stop (issue 24)
     assert own["node-a"].epsilon <= 1.0 + 1e-9
     assert own["node-b"].num_releases(0) == 10 and own["node-b"].epsilon <= 4.0 + 1e-9  # both fits, one ledger
     assert second.privacy.num_releases(ib) == 10  # the server's mirror agrees with the client's own ledger
