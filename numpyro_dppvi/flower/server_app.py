@@ -32,7 +32,7 @@ SCHEDULES = ("sequential", "synchronous", "asynchronous")
 RUN_CONFIG_DEFAULTS = {
     "model": "numpyro_dppvi.flower.models:logistic_regression", "method": "dp_optimisation",
     "schedule": "synchronous", "rounds": 3, "local-steps": 10, "batch-size": 100, "num-samples": 10,
-    "optimizer": "adam", "learning-rate": 0.01, "damping": 1.0, "clip": 1.0, "round-timeout": 120.0,
+    "optimizer": "adam", "learning-rate": 0.01, "damping": 0.5, "clip": 1.0, "round-timeout": 120.0,
     "poll-interval": 0.2, "min-clients": 1, "wait-for-clients": 60.0, "results-dir": "", "checkpoint": "",
     "checkpoint-key-file": "", "fit-id": "", "tail-average": 0.0,
 }
