@@ -138,6 +138,11 @@ def demo(args) -> int:
     print("\n" + header + "\n" + "-" * len(header))
     for split, name, result, sec in rows:
         print(demo_row(split, name, result, sec))
+    unjudged = [f"{split} / {name}" for split, name, result, _ in rows
+                if result is not None and (result.convergence or {}).get("converged") is None]
+    if unjudged:  # say why, rather than leave a bare '?'
+        notes.append(f"converged '?' ({', '.join(unjudged)}): one-round committees (BCM) and fits of fewer than 3 "
+                     "rounds have no round-to-round trajectory to judge convergence from")
     if notes:
         print("\nNotes (convergence is judged in posterior-sd units, see docs/guide.md section 6):")
         for note in notes:
