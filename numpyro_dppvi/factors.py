@@ -98,13 +98,18 @@ def finite_coordinates(g: Gaussian) -> jax.Array:
     return jnp.isfinite(g.eta1) & jnp.isfinite(g.eta2) & jnp.isfinite(g.eta1 / g.eta2)
 
 
+def precision_draws(mean: jax.Array, chol: jax.Array, eps: jax.Array) -> jax.Array:
+    """``u_s = mean + L^{-T} eps_s``: draws of ``N(mean, Lambda^{-1})`` given ``L``, the Cholesky factor of
+    ``Lambda = L L^T``, and standard-normal ``eps`` (``[S, D]``)."""
+    return mean + jax.scipy.linalg.solve_triangular(chol, eps.T, lower=True, trans="T").T
+
+
 def draws(g: Gaussian, eps: jax.Array) -> jax.Array:
     """Draws of a proper ``g`` from standard-normal ``eps`` (``[S, D]``): ``mu + s eps`` (mean-field),
     ``mu + L^{-T} eps`` with ``Lambda = L L^T`` (full-rank)."""
     if is_full_rank(g):
         mean, precision = mean_and_precision(g)
-        chol = jnp.linalg.cholesky(precision)
-        return mean + jax.scipy.linalg.solve_triangular(chol, eps.T, lower=True, trans="T").T
+        return precision_draws(mean, jnp.linalg.cholesky(precision), eps)
     loc, scale_ = to_loc_scale(g)
     return loc + scale_ * eps
 

@@ -55,24 +55,18 @@ from ..optim import Newton
 from .local import shuffled_order, tail_length, take_rows, window_batch
 
 
-def draws(mean: jax.Array, chol: jax.Array, eps: jax.Array) -> jax.Array:
-    """``u_s = mean + L^{-T} eps_s`` for ``Lambda = L L^T`` (``chol`` = ``L``): ``[S, D]`` draws of
-    ``N(mean, Lambda^{-1})``."""
-    return mean + jax.scipy.linalg.solve_triangular(chol, eps.T, lower=True, trans="T").T
-
-
 def expected_derivatives(f: Callable, u: jax.Array) -> tuple[jax.Array, jax.Array, jax.Array]:
     """``(mean value, E[grad f], E[grad^2 f])`` over the draws ``u`` (``[S, D]``). Draws whose gradient
     or Hessian are not finite are left out (their values still count: a non-finite value makes every
     result NaN)."""
 
-    def grad_twice(v):
-        g = jax.grad(f)(v)
-        return g, g
+    def gradient(v):  # the Hessian is its forward derivative; the value and gradient ride along
+        value, g = jax.value_and_grad(f)(v)
+        return g, (value, g)
 
     def per_draw(v):
-        hess, g = jax.jacfwd(grad_twice, has_aux=True)(v)
-        return f(v), g, hess
+        hess, (value, g) = jax.jacfwd(gradient, has_aux=True)(v)
+        return value, g, hess
 
     values, grads, hessians = jax.vmap(per_draw)(u)
     ok = jnp.all(jnp.isfinite(grads), axis=1) & jnp.all(jnp.isfinite(hessians), axis=(1, 2))
@@ -83,7 +77,7 @@ def expected_derivatives(f: Callable, u: jax.Array) -> tuple[jax.Array, jax.Arra
             jnp.einsum("s,sde->de", weight, jnp.where(ok[:, None, None], hessians, 0.0)))
 
 
-def newton_step(mean, precision, grad, hess, cavity: Gaussian, beta: float, lead=True):
+def newton_step(mean, precision, grad, hess, cavity: Gaussian, beta: float, lead=True, chol=None):
     """One step towards (*) of the module docstring: ``(mean', precision')``.
 
     ``lead=False``: the mean's step is preconditioned by the current ``precision``, not ``precision'``.
@@ -92,7 +86,8 @@ def newton_step(mean, precision, grad, hess, cavity: Gaussian, beta: float, lead
     fixed point moved by 0.16 posterior sd on a conjugate regression (batches of 25 of 225 rows). The
     current precision depends on earlier batches only, so the mean's step is unbiased given it. The
     first step of an update leads (``lead=True``): from a prior far wider than the posterior, the
-    current precision would make the mean's step many sds long."""
+    current precision would make the mean's step many sds long. ``chol``: the Cholesky factor of
+    ``precision`` when the caller has it."""
     cavity_precision = -2.0 * cavity.eta2
     target = cavity_precision - hess
     target = 0.5 * (target + target.T)
@@ -102,9 +97,10 @@ def newton_step(mean, precision, grad, hess, cavity: Gaussian, beta: float, lead
     second_order = 0.5 * beta ** 2 * gap @ jnp.linalg.solve(precision, gap)
     new = precision + beta * gap + jnp.where(definite, 0.0, 1.0) * second_order
     new = 0.5 * (new + new.T)
-    chol = jnp.linalg.cholesky(new)
+    new_chol = jnp.linalg.cholesky(new)
     residual = grad + cavity.eta1 - cavity_precision @ mean
-    preconditioner = jnp.where(lead, chol, jnp.linalg.cholesky(precision))
+    chol = jnp.linalg.cholesky(precision) if chol is None else chol
+    preconditioner = jnp.where(lead, new_chol, chol)
     move = beta * jax.scipy.linalg.cho_solve((preconditioner, True), residual)
     length = jnp.sqrt(jnp.maximum(move @ new @ move, 0.0))
     move = move / jnp.maximum(length, 1.0)  # at most one sd of the new q
@@ -127,11 +123,11 @@ def iterate(objective: Callable, q: Gaussian, cavity: Gaussian, steps: int, key,
         mean, precision, sum_mean, sum_precision = carry
         chol = jnp.linalg.cholesky(precision)
         eps = objectives.standard_draws(jax.random.fold_in(key, t), num_samples, dim, antithetic)
-        value, grad, hess = expected_derivatives(lambda v: objective(v, t), draws(mean, chol, eps))
+        value, grad, hess = expected_derivatives(lambda v: objective(v, t), factors.precision_draws(mean, chol, eps))
         cov = jax.scipy.linalg.cho_solve((chol, True), jnp.eye(dim, dtype=mean.dtype))
         entropy = 0.5 * dim * jnp.log(2 * jnp.pi * jnp.e) - jnp.sum(jnp.log(jnp.diag(chol)))
         loss = -(value + factors.expected_log_factor_full(mean, cov, cavity) + entropy)
-        mean, precision = newton_step(mean, precision, grad, hess, cavity, beta, lead=t == 0)
+        mean, precision = newton_step(mean, precision, grad, hess, cavity, beta, lead=t == 0, chol=chol)
         keep = (t >= first).astype(mean.dtype)
         return (mean, precision, sum_mean + keep * mean, sum_precision + keep * precision), loss
 

@@ -111,19 +111,14 @@ def synchronous(rule, damping, state: PVIState, data, mask, sizes, key, limits):
         round=state.round + 1, communications=state.communications + jnp.sum(state.active),
     )
     out = {"valid": valid, "loss": metrics["loss"], "participated": state.active, "failed": failed,
-           "stopped": stopped, "failed_coordinates": jnp.any(failed[:, None] & ~jax.vmap(_finite_coordinates)(q_new), 0)}
+           "stopped": stopped, "failed_coordinates": jnp.any(failed[:, None] & ~jax.vmap(factors.finite_coordinates)(q_new), 0)}
     if "invalid" in metrics:
         out["invalid"] = metrics["invalid"] & state.active
     return new_state, out
 
 
 def _finite(g: Gaussian) -> jax.Array:
-    return jnp.all(_finite_coordinates(g))
-
-
-def _finite_coordinates(g: Gaussian) -> jax.Array:
-    """``[D]`` bool: finite natural parameters and mean on each coordinate."""
-    return factors.finite_coordinates(g)
+    return jnp.all(factors.finite_coordinates(g))
 
 
 def _expand(flag, x):
@@ -161,7 +156,7 @@ def arrivals(rule, damping, state: PVIState, data, mask, sizes, key, order, limi
         cavity_ok = factors.is_proper(cavity) | (not getattr(rule, "uses_client_cavity", True))
         valid = valid & ((cavity_ok & factors.is_proper(q_next)) | ~act)
         invalid = metrics.get("invalid", jnp.zeros((), bool)) & act
-        bad = failed & ~_finite_coordinates(q_new)
+        bad = failed & ~factors.finite_coordinates(q_new)
         return (q_next, fac, seen, cstate, valid, active, counts), (metrics["loss"], afford, invalid, failed, stop, bad)
 
     init = (state.q, state.factors, state.q_seen, state.client_state, jnp.array(True), state.active,
