@@ -32,6 +32,7 @@ import numpy as np
 from .. import checkpoint, keys
 from ..factors import Gaussian
 from ..privacy import PrivacyLedger
+from ..privacy.config import budget_delta
 from .settings import NodeSettings, SettingsError
 
 STATE_FILE = "client_state.npz"
@@ -58,10 +59,13 @@ class ClientState:
     def ledger_for(self, node: NodeSettings) -> PrivacyLedger:
         """The client's ledger, created empty on its first private step with the node's delta, relation and
         accountant; a ledger kept under other settings is refused (its events would be misread)."""
+        delta = node.delta if node.epsilon is None else budget_delta(node.delta)  # Privacy.accounting_delta
         if self.ledger is None:
-            self.ledger = PrivacyLedger(1, node.delta, node.neighbouring, node.accountant, seed=self.seed_kind)
-        for name, now in (("delta", node.delta), ("neighbouring", node.neighbouring), ("accountant", node.accountant)):
+            self.ledger = PrivacyLedger(1, delta, node.neighbouring, node.accountant, seed=self.seed_kind)
+        for name, now in (("delta", delta), ("neighbouring", node.neighbouring), ("accountant", node.accountant)):
             kept = getattr(self.ledger, name)
+            if name == "delta" and kept == node.delta:
+                continue  # a ledger kept before the reserve (issue 24, finding 10): its report adds the charges
             if kept != now:
                 raise SettingsError(f"the ledger in {node.state_dir} was kept with {name}={kept!r} but the node config "
                                     f"now says {now!r}; set {name} back to {kept!r} (a ledger cannot change units)")

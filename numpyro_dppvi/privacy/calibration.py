@@ -19,6 +19,7 @@ from typing import Callable, Sequence, Union
 
 from . import accounting_memo, backends
 from .events import GaussianEvent, check_neighbouring
+from .ledger import extra_mass
 
 Plan = Union[Sequence[GaussianEvent], Callable[[float], Sequence]]
 
@@ -48,6 +49,12 @@ def _plan_function(plan: Plan) -> Callable[[float], list[tuple[GaussianEvent, ..
     if not all(isinstance(e, GaussianEvent) for e in templates):
         raise TypeError("plan must be a list of GaussianEvent templates or a callable.")
     return lambda sigma: [tuple(e.with_noise_multiplier(sigma) for e in templates)]
+
+
+def plan_charges(plan: Plan) -> float:
+    """The largest over clients of the plan's :func:`~numpyro_dppvi.privacy.ledger.extra_mass` (the
+    probabilities charged to delta do not depend on the noise multiplier)."""
+    return max((extra_mass(events) for events in _plan_function(plan)(1.0)), default=0.0)
 
 
 def plan_epsilon(plan: Plan, noise_multiplier: float, delta: float, neighbouring: str,

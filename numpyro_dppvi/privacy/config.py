@@ -25,7 +25,7 @@ import numpy as np
 
 from . import backends
 from .adaptive_clip import AdaptiveClip, count_sensitivity, split_noise_multiplier
-from .calibration import calibrate_noise, plan_epsilon
+from .calibration import calibrate_noise, plan_charges, plan_epsilon
 from .events import GaussianEvent, check_neighbouring, sensitivity
 from .ledger import PrivacyLedger
 
@@ -41,6 +41,19 @@ def _optional_positive(name, value):
     if not (math.isfinite(value) and value > 0):
         raise ValueError(f"{name} must be a finite number > 0, got {value}.")
     return value
+
+
+#: Share of a budget's delta kept for the charges the samplers' coupling arguments add to the
+#: accountant's delta (:meth:`Privacy.accounting_delta`): 1% costs about 0.1-0.3% more noise.
+DELTA_RESERVE = 0.01
+
+
+def budget_delta(delta: float) -> float:
+    """``(1 - DELTA_RESERVE) delta``, rounded down so that it plus the reserve never exceeds ``delta``."""
+    accounting = delta * (1.0 - DELTA_RESERVE)
+    while accounting + DELTA_RESERVE * delta > delta:
+        accounting = math.nextafter(accounting, 0.0)
+    return accounting
 
 
 @dataclass(frozen=True)
@@ -167,7 +180,7 @@ class Privacy:
         return count_nm * count_sensitivity(self.neighbouring)
 
     # ------------------------------------------------------------------ budget
-    def resolve(self, plan: Callable[[float], Sequence]) -> float:
+    def resolve(self, plan: Callable[[float], Sequence], charges: float | None = None) -> float:
         """The noise multiplier (std / C) to use for the planned run.
 
         ``plan(noise_multiplier)`` returns the events the run will record, for one client (a
@@ -178,31 +191,66 @@ class Privacy:
           client (:func:`~numpyro_dppvi.privacy.calibration.calibrate_noise`);
         * noise only: ``noise_multiplier`` as given (the ledger then reports epsilon);
         * both: ``noise_multiplier``, after checking that it meets the budget.
+
+        The budget is met at :meth:`accounting_delta` of ``charges`` (default: the plan's own,
+        :func:`~numpyro_dppvi.privacy.calibration.plan_charges`; a fit whose clients are calibrated one
+        by one passes the largest over all of them, so that one ledger delta serves every client).
         """
+        charges = plan_charges(plan) if charges is None else charges
         if not callable(plan):
             raise TypeError("plan must be a callable noise_multiplier -> events.")
         if self.noise_multiplier is not None:
             if self.epsilon is not None:
-                spent = plan_epsilon(plan, self.noise_multiplier, self.delta,
+                spent = plan_epsilon(plan, self.noise_multiplier, self.accounting_delta(charges),
                                      self.neighbouring, self.accountant)
                 if spent > self.epsilon:
-                    needed = self.resolve_budget(plan)
+                    needed = self.resolve_budget(plan, charges)
                     raise ValueError(
                         f"noise_multiplier={self.noise_multiplier} spends epsilon={spent:.4g} "
                         f"> epsilon={self.epsilon} on this plan; use noise_multiplier >= "
                         f"{needed:.4g} or drop one of the two."
                     )
             return self.noise_multiplier
-        return self.resolve_budget(plan)
+        return self.resolve_budget(plan, charges)
 
-    def resolve_budget(self, plan: Callable[[float], Sequence]) -> float:
+    def resolve_budget(self, plan: Callable[[float], Sequence], charges: float | None = None) -> float:
         if self.epsilon is None:
             raise ValueError("resolve_budget needs epsilon.")
+        charges = plan_charges(plan) if charges is None else charges
         event_nm = calibrate_noise(
-            self.epsilon, self.delta, lambda z: plan(self.from_event(z)),
+            self.epsilon, self.accounting_delta(charges), lambda z: plan(self.from_event(z)),
             self.neighbouring, self.accountant,
         )
         return self.from_event(event_nm)
+
+    def accounting_delta(self, charges: float = 0.0) -> float:
+        """The delta at which epsilon is calibrated, and at which the ledger reports it.
+
+        A ledger's total delta is ``delta_acc + (1 + e^{epsilon_m}) * charges_m``: the coupling arguments
+        of the Poisson sampler and of the noise sampler's float tails add their probabilities
+        (:func:`~numpyro_dppvi.privacy.ledger.extra_mass`) on top of the accountant's delta. With a
+        budget, a share :data:`DELTA_RESERVE` of the requested delta is kept for them,
+
+            delta_acc = (1 - DELTA_RESERVE) delta,     (1 + e^epsilon) * charges <= DELTA_RESERVE delta,
+
+        so that ``epsilon_m <= epsilon`` at ``delta_acc`` gives a total delta ``<= delta``: the
+        ``(epsilon, delta)`` asked for is the one reported, to the last digit. ``charges``: the planned
+        run's (the largest over clients); a plan whose charges do not fit in the reserve is refused. One
+        fixed share, not the charges themselves, so that every client, a resumed fit and a Flower node
+        whose ledger spans several fits use one delta. Without a budget (a noise multiplier alone)
+        there is nothing to keep within: ``delta`` is the target at which epsilon is read and the report
+        adds the charges to it.
+        """
+        if self.epsilon is None:
+            return self.delta
+        accounting = budget_delta(self.delta)
+        needed = (1.0 + math.exp(min(self.epsilon, 700.0))) * charges
+        if needed > self.delta - accounting:
+            raise ValueError(
+                f"the sampler's and the noise sampler's charges to delta, (1 + e^epsilon) * {charges:.3g} = "
+                f"{needed:.3g}, exceed the {DELTA_RESERVE:g} of delta={self.delta:g} kept for them: ask for a larger "
+                "delta, or plan fewer releases (rounds, local steps)")
+        return accounting
 
     def epsilon_max_per_client(self, num_clients: int) -> np.ndarray:
         """Per-client stop thresholds (``inf`` where none)."""
@@ -217,9 +265,10 @@ class Privacy:
             )
         return np.array(self.epsilon_max, dtype=float)
 
-    def ledger(self, num_clients: int, trusted_aggregator: bool = False, seed: str = "unspecified"
-               ) -> PrivacyLedger:
-        """An empty ledger with this config's delta, relation and accountant; ``seed`` says where the
-        noise seed came from (``"os_entropy"`` or ``"user_key"``)."""
-        return PrivacyLedger(num_clients, self.delta, self.neighbouring, self.accountant,
+    def ledger(self, num_clients: int, trusted_aggregator: bool = False, seed: str = "unspecified",
+               charges: float = 0.0) -> PrivacyLedger:
+        """An empty ledger with this config's relation and accountant, at :meth:`accounting_delta` of the
+        planned run's ``charges``; ``seed`` says where the noise seed came from (``"os_entropy"`` or
+        ``"user_key"``)."""
+        return PrivacyLedger(num_clients, self.accounting_delta(charges), self.neighbouring, self.accountant,
                              trusted_aggregator, seed=seed)

@@ -38,6 +38,13 @@ _SEED_TEXT = {
 }
 
 
+def extra_mass(events) -> float:
+    """``sum_t p_t + k TAIL_MASS`` of one client's ``events``: the probabilities the coupling arguments
+    charge to delta (Poisson-pad overflow or fold deviation ``p_t`` per release, the noise sampler's tail
+    for each of the ``k`` noise coordinates drawn); ``(1 + e^epsilon)`` times this is added to delta."""
+    return math.fsum(e.count * (e.overflow_probability + e.dimension * TAIL_MASS) for e in events)
+
+
 class PrivacyLedger:
     """Records events per client and reports ``(epsilon, delta)``.
 
@@ -201,8 +208,7 @@ class PrivacyLedger:
 
     def _extra_mass(self, client: int) -> float:
         """``sum_t p_t + k_m TAIL_MASS``: Poisson-pad overflow and noise-sampler tail probabilities."""
-        return math.fsum(e.count * (e.overflow_probability + e.dimension * TAIL_MASS)
-                         for e in self.events(client))
+        return extra_mass(self.events(client))
 
     @property
     def delta_per_client(self) -> np.ndarray:

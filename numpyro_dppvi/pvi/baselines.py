@@ -32,6 +32,7 @@ from .. import factors
 from ..data import validate_clients
 from ..diagnostics import PosteriorRuleWarning
 from ..evaluation import evaluate
+from ..privacy.ledger import PrivacyLedger
 from ..results import DPPVIResult
 from .fit import DPPVI
 
@@ -59,7 +60,8 @@ def fit_global_vi(model, clients, *, steps: int = 1000, steps_per_round: int = 1
                     participated=[True] * len(clients)) for entry in pooled_result.history]
     ledger = None
     if privacy is not None:  # every row was in every step's sampling: each client carries the pooled events
-        ledger = privacy.ledger(len(clients), seed=pooled_result.privacy.seed)
+        pooled = pooled_result.privacy  # its delta is the pooled plan's (charges taken out of the requested one)
+        ledger = PrivacyLedger(len(clients), pooled.delta, privacy.neighbouring, privacy.accountant, seed=pooled.seed)
         for event in pooled_result.privacy.events(0):
             ledger.record_all(event)
     config = dict(pooled_result.config, steps=steps, steps_per_round=steps_per_round)

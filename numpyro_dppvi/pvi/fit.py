@@ -586,7 +586,8 @@ class DPPVI:
         state = program(self.data, self.mask, to_device(key_data, np.uint32), self.adapter.prior,
                         self.adapter.server_mask, extras)
         self.seed = seed
-        self.ledger = None if self.plan is None else self.privacy.ledger(m, self.trusted_aggregator, seed=seed)
+        self.ledger = None if self.plan is None else self.privacy.ledger(m, self.trusted_aggregator, seed=seed,
+                                                                         charges=self.plan.charges(self.planned_rounds))
         return state
 
     def _round(self, state: PVIState, data, mask, sizes, limits):
@@ -895,7 +896,8 @@ class DPPVI:
             if saved_result.get("privacy") is None:
                 raise ValueError(f"{path} holds a non-private fit; it cannot be resumed with privacy")
             ledger = PrivacyLedger.from_dict(saved_result["privacy"])
-            expected = self.privacy.ledger(self.num_clients, self.trusted_aggregator, seed=ledger.seed)
+            expected = self.privacy.ledger(self.num_clients, self.trusted_aggregator, seed=ledger.seed,
+                                           charges=self.plan.charges(self.planned_rounds))
             for name in ("delta", "neighbouring", "accountant", "trusted_aggregator", "num_clients"):
                 if getattr(ledger, name) != getattr(expected, name):
                     raise ValueError(f"{path}: the stored ledger has {name}={getattr(ledger, name)!r} but this fit "

@@ -31,6 +31,7 @@ import numpy as np
 
 from ..privacy import GaussianEvent, Privacy, sensitivity
 from ..privacy import backends
+from ..privacy.ledger import extra_mass
 from ..privacy.sampling import accounted_rate, fold_chunk, poisson_fold_deviation
 
 #: ``limits`` value of a client without a budget cap.
@@ -68,16 +69,23 @@ class PrivacyPlan:
             raise ValueError("calibrating the noise to a budget needs the planned number of rounds: "
                              "pass rounds=... to DPPVI (fit_dppvi does this for you)")
         rounds = rounds or 1
+        charges = self.charges(rounds)
         solved: dict[float, float] = {}
         out = []
         for m in range(len(self.rates)):
             key = float(self.rates[m])  # epsilon does not depend on the overflow charge (it is delta's)
             if key not in solved:
-                solved[key] = p.resolve(lambda z, m=m: [self.event(m, rounds, z)])
+                solved[key] = p.resolve(lambda z, m=m: [self.event(m, rounds, z)], charges)
             out.append(solved[key])
         self.noise_multipliers = np.asarray(out)
         if p.noise_multiplier is None:
             self.calibrated_participations = rounds
+
+    def charges(self, rounds: int | None) -> float:
+        """The largest over clients of the probabilities ``rounds`` participations charge to delta
+        (:func:`~numpyro_dppvi.privacy.ledger.extra_mass`): the ledger's delta is the requested one less
+        ``(1 + e^epsilon)`` times this (:meth:`~numpyro_dppvi.privacy.Privacy.accounting_delta`)."""
+        return max(extra_mass([self.event(m, rounds or 1, 1.0)]) for m in range(len(self.rates)))
 
     def noise_std(self, m: int) -> float:
         """Std of the Gaussian noise client ``m`` (or, client-level, the server) adds to its released sum."""

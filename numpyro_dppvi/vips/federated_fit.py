@@ -23,6 +23,7 @@ import numpy as np
 
 from numpyro_dppvi.data import validate_clients
 from numpyro_dppvi.keys import resolve as resolve_key
+from numpyro_dppvi.privacy.calibration import plan_charges
 from numpyro_dppvi.vips.detect import detect_conjugate
 from numpyro_dppvi.vips.engine import is_conjugate_model
 from numpyro_dppvi.vips.federated import conjugate_client_delta, conjugate_server_update
@@ -65,8 +66,9 @@ def fit_federated_vips(model, clients, *, privacy=None, rounds: int = 1, schedul
             raise ValueError("VIPS clips every ESS block to its declared bound; adaptive_clip is not supported")
         dimension = noise_coordinates(_zero_factor(conjugate, data[0], conjugate.expected_natural_params(
             conjugate.prior_params())), tuple(conjugate.symmetric_blocks))
-        sigma = float(privacy.resolve(lambda z: [privacy.step_event(z, 1.0, int(rounds), dimension=dimension)]))
-        ledger = privacy.ledger(num_clients, trusted_aggregator, seed=seed)
+        plan = lambda z: [privacy.step_event(z, 1.0, int(rounds), dimension=dimension)]  # noqa: E731
+        sigma = float(privacy.resolve(plan))
+        ledger = privacy.ledger(num_clients, trusted_aggregator, seed=seed, charges=plan_charges(plan))
         clip = privacy.clip
     share = sigma / np.sqrt(num_clients) if trusted_aggregator else sigma
     params = conjugate.prior_params()

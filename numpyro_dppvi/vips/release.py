@@ -33,6 +33,7 @@ import numpy as np
 from numpyro_dppvi.privacy import (
     GaussianEvent, Privacy, PrivacyLedger, add_gaussian_noise, add_symmetric_noise, poisson_batch,
     poisson_overflow_probability, poisson_pad_size, without_replacement_batch)
+from numpyro_dppvi.privacy.ledger import extra_mass
 from numpyro_dppvi.vips.engine import joint_sensitivity, scale_bounds
 
 
@@ -58,7 +59,7 @@ class ReleasePlan:
 
     def record(self, ledger: PrivacyLedger | None = None, client: int = 0, seed: str = "unspecified") -> PrivacyLedger:
         """Record the fit's releases (a new one-client ledger unless one is given)."""
-        ledger = self.privacy.ledger(1, seed=seed) if ledger is None else ledger
+        ledger = self.privacy.ledger(1, seed=seed, charges=extra_mass([self.event])) if ledger is None else ledger
         ledger.record(client, self.event)
         return ledger
 
