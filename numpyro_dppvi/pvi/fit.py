@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import collections
 import dataclasses
+import difflib
 import functools
 import json
 import time
@@ -88,6 +89,13 @@ DEFAULT_LOCAL_STEPS = 10
 #: failed in its last rounds.
 FAILED_UPDATES_TOLERATED = 0.05
 DEFAULT_ROUNDS = 10
+
+
+def did_you_mean(name, choices) -> str:
+    """``" (did you mean 'x'?)"`` for the closest of ``choices`` to a misspelt ``name`` (``dp_optimization``,
+    ``synchronus``), else ``""``."""
+    close = difflib.get_close_matches(str(name), choices, n=1, cutoff=0.75)
+    return f" (did you mean {close[0]!r}?)" if close else ""
 
 
 def default_schedule(method: str, trusted_aggregator: bool = False, privacy_unit: str = "example") -> str:
@@ -320,7 +328,7 @@ class DPPVI:
                  privacy_unit: str = "example", client_rate: float = 1.0, tail_average: float | None = None,
                  family: str = "mean_field"):
         if method not in METHODS:
-            raise ValueError(f"unknown method {method!r}; choose one of {METHODS}")
+            raise ValueError(f"unknown method {method!r}{did_you_mean(method, METHODS)}; choose one of {METHODS}")
         factors.check_family(family, "DPPVI")
         if family == "full_rank" and (method != "pvi" or privacy is not None):
             raise ValueError(f"family='full_rank' is available without privacy (method='pvi', fit_global_vi, fit_bcm); "
@@ -344,7 +352,7 @@ class DPPVI:
         precision_floor = defaults.get("precision_floor", 1e-3) if precision_floor is None else precision_floor
         tail_average = defaults.get("tail_average", 0.0) if tail_average is None else tail_average
         if schedule not in SCHEDULES:
-            raise ValueError(f"unknown schedule {schedule!r}; choose one of {SCHEDULES}")
+            raise ValueError(f"unknown schedule {schedule!r}{did_you_mean(schedule, SCHEDULES)}; choose one of {SCHEDULES}")
         if privacy_unit not in PRIVACY_UNITS:
             raise ValueError(f"unknown privacy_unit {privacy_unit!r}; choose one of {PRIVACY_UNITS}")
         if invalid not in INVALID_RULES:

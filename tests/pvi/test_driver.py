@@ -103,8 +103,11 @@ def test_asynchronous_favours_small_clients():
 
 
 @pytest.mark.parametrize("kwargs,match", [
-    ({"method": "magic"}, "unknown method"),
-    ({"schedule": "parallel"}, "unknown schedule"),
+    ({"method": "magic"}, "unknown method 'magic'; choose"),
+    ({"method": "dp_optimization"}, r"did you mean 'dp_optimisation'\?"),
+    ({"method": "virtual_client"}, r"did you mean 'virtual_clients'\?"),
+    ({"schedule": "parallel"}, "unknown schedule 'parallel'; choose"),
+    ({"schedule": "synchronus"}, r"did you mean 'synchronous'\?"),
     ({"damping": 0.0}, "damping"),
     ({"local_steps": 0}, "local_steps"),
     ({"batch_size": -3}, "batch_size"),
