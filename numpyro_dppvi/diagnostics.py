@@ -26,6 +26,8 @@ exceeds :data:`CONVERGED_SD`, undetermined (``None``) otherwise.
 from __future__ import annotations
 
 import math
+import os
+import sys
 import warnings
 
 import numpy as np
@@ -70,6 +72,18 @@ class PosteriorRuleWarning(UserWarning):
 
 #: Every warning a fit gives about its own result (the command line reports them as notes).
 FIT_WARNINGS = (ConvergenceWarning, NoiseWarning, ClientUpdateWarning, PosteriorRuleWarning)
+
+_PACKAGE = os.path.dirname(os.path.abspath(__file__)) + os.sep
+
+
+def user_stacklevel() -> int:
+    """The ``stacklevel`` that makes a warning raised by the calling function point at the first frame
+    outside this package: the user's line (``fit_dppvi(...)`` in a script or a notebook), however many of
+    the package's own functions lie between (``warnings.warn(..., skip_file_prefixes=...)`` from Python 3.12)."""
+    frame, level = sys._getframe(1), 1
+    while frame is not None and os.path.abspath(frame.f_code.co_filename).startswith(_PACKAGE):
+        frame, level = frame.f_back, level + 1
+    return level
 
 
 def unconstrained_coordinates(q: factors.Gaussian) -> tuple[np.ndarray, np.ndarray]:
@@ -169,7 +183,8 @@ def warn_if_unconverged(summary: dict, caller: str, advice: str, jitter_advice: 
     else:
         message = (f"q still jumps by about {summary['jitter']:.2g} posterior sd from round to round (an "
                    f"oscillation, or noisy local steps), so the final q is one point of that. {jitter_advice}")
-    warnings.warn(f"{caller}: {message}. result.convergence has the details.", ConvergenceWarning, stacklevel=3)
+    warnings.warn(f"{caller}: {message}. result.convergence has the details.", ConvergenceWarning,
+                  stacklevel=user_stacklevel())
 
 
 def noise_to_signal(noise_std: np.ndarray, dimension: int, terms: np.ndarray, clip: float) -> np.ndarray:

@@ -76,6 +76,12 @@ def linear_clients(n=400, num_clients=4, correlated=True):
     return dppvi.partition((x, y), num_clients=num_clients, seed=0)
 
 
+def assert_points_here(record, category):
+    """Issue 26: a fit's warnings point at the user's line (here, this file), not at the package's own."""
+    caught = [w for w in record if issubclass(w.category, category)]
+    assert caught and all(w.filename == __file__ for w in caught), [w.filename for w in caught]
+
+
 def test_slow_fit_warns_and_converged_fit_does_not(tmp_path):
     """Damping 0.05 for 20 rounds moves every coordinate steadily (measured: rate 0.95, about 2.5 sd
     to go): a ConvergenceWarning naming more rounds; sequential rounds on independent covariates leave
@@ -85,9 +91,10 @@ def test_slow_fit_warns_and_converged_fit_does_not(tmp_path):
     at 0.01-0.03 sd a round (0.3 sd in 40 more rounds on the correlated covariates): not converged
     either. The diagnostic is in the history, the result, its summary and the saved file."""
     clients = linear_clients()
-    with pytest.warns(diagnostics.ConvergenceWarning, match="more rounds.*family='full_rank'"):
+    with pytest.warns(diagnostics.ConvergenceWarning, match="more rounds.*family='full_rank'") as rec:
         slow = dppvi.fit_dppvi(linear, clients, schedule="synchronous", rounds=20, damping=0.05, local_steps=100,
                                rng_key=jax.random.key(0))
+    assert_points_here(rec, diagnostics.ConvergenceWarning)
     assert slow.convergence["converged"] is False and slow.convergence["distance"] > 1.0
     assert all(h["change"] >= 0 for h in slow.history)
     with warnings.catch_warnings():
@@ -127,9 +134,10 @@ def test_client_that_never_updates_is_named():
     rng = np.random.default_rng(0)
     clients = [(rng.uniform(size=10), rng.normal(size=10)) for _ in range(3)]
     clients.append((1e3 + rng.uniform(size=10), rng.normal(size=10)))
-    with pytest.warns(diagnostics.ClientUpdateWarning, match=r"client\(s\) \[3\]"):
+    with pytest.warns(diagnostics.ClientUpdateWarning, match=r"client\(s\) \[3\]") as rec:
         result = dppvi.fit_dppvi(log_of_data, clients, rounds=3, local_steps=5, damping=0.5,
                                  rng_key=jax.random.key(0))
+    assert_points_here(rec, diagnostics.ClientUpdateWarning)
     assert result.updates == {"taken_part": [3] * 4, "valid": [3, 3, 3, 0]}
 
 
@@ -168,6 +176,7 @@ def test_noise_warning_names_settings_that_remove_it():
                          rounds=20)
     with pytest.warns(diagnostics.NoiseWarning, match=r"swamps the signal.*rounds=20 with local_steps=(\d+)") as rec:
         driver.init(jax.random.key(0), [(x, y)])
+    assert_points_here(rec, diagnostics.NoiseWarning)
     import re
     steps = int(re.search(r"local_steps=(\d+)", str(rec[0].message)).group(1))
     assert steps < 50

@@ -30,7 +30,7 @@ import optax
 
 from .. import factors
 from ..data import validate_clients
-from ..diagnostics import PosteriorRuleWarning
+from ..diagnostics import PosteriorRuleWarning, user_stacklevel
 from ..evaluation import evaluate
 from ..privacy.ledger import PrivacyLedger
 from ..results import DPPVIResult
@@ -137,5 +137,6 @@ def reset_to_prior(q, prior, invalid: str = "prior"):
     if count:
         warnings.warn(f"fit_bcm: {count} of {below.size} coordinates of the combined posterior had a precision "
                       "below the prior's (noisy or uninformative clients) and were reset to the prior "
-                      "(invalid='prior'; history[0]['reset_to_prior'] counts them)", PosteriorRuleWarning, stacklevel=3)
+                      "(invalid='prior'; history[0]['reset_to_prior'] counts them)", PosteriorRuleWarning,
+                      stacklevel=user_stacklevel())
     return factors.Gaussian(*(jnp.where(below, p, a) for a, p in zip(q, prior))), count

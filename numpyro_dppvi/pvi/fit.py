@@ -528,7 +528,7 @@ class DPPVI:
             f"{self.caller}: the calibrated noise swamps the signal: noise multiplier "
             f"{self.plan.noise_multipliers[worst]:.3g}, so one release's noise has norm {ratio[worst]:.2g} times "
             f"the largest norm of {what} (client {worst}, {self.plan.dimension} noise coordinates). "
-            f"{self._noise_advice()}", diagnostics.NoiseWarning, stacklevel=4)
+            f"{self._noise_advice()}", diagnostics.NoiseWarning, stacklevel=diagnostics.user_stacklevel())
 
     def _noise_advice(self) -> str:
         """Fewer releases for the same budget (calibrated noise only): the first halving of the local steps
@@ -853,7 +853,8 @@ class DPPVI:
         if never:
             warnings.warn(f"{self.caller}: client(s) {never[:20]} took part but never produced a valid update "
                           "(non-finite or rejected every time): their data is not in q. result.updates has the "
-                          f"counts; {ADVICE[self.caller]}.", diagnostics.ClientUpdateWarning, stacklevel=3)
+                          f"counts; {ADVICE[self.caller]}.", diagnostics.ClientUpdateWarning,
+                          stacklevel=diagnostics.user_stacklevel())
         failed_rounds = [entry for entry in history if entry.get("failed")]
         recent = self.convergence["failed_updates"] if self.convergence else 0
         total = sum(len(entry["failed"]) for entry in failed_rounds)
@@ -868,7 +869,7 @@ class DPPVI:
                 "converged. The local objective is not finite where q puts mass: check the model at draws of q "
                 f"for {', '.join(repr(n) for n in sites) or 'those sites'} (e.g. an exp that overflows or a log of a "
                 f"non-positive value), or {ADVICE[self.caller]}. result.updates and the history's 'failed' have "
-                "the counts.", diagnostics.ClientUpdateWarning, stacklevel=3)
+                "the counts.", diagnostics.ClientUpdateWarning, stacklevel=diagnostics.user_stacklevel())
 
     def resume(self, path, clients, rounds: int, hmac_key: bytes | None = None, rng_key=None,
                **run_options) -> DPPVIResult:
