@@ -34,6 +34,7 @@ from ..data import validate_clients
 from ..factors import Gaussian
 from ..model import ModelAdapter
 from ..privacy import Privacy
+from ..privacy.ledger import extra_mass
 from ..privacy.noise import float32_at_least
 from ..pvi.fit import model_adapter
 from ..optim import cvi
@@ -118,6 +119,8 @@ def calibrated_plan(node: NodeSettings, settings: LocalSettings, num_rows: int, 
     when no noise can meet the budget (it is spent)."""
     plan = pinned_plan(node, settings, num_rows, dimension, 1.0)  # the rate, overflow and chunk of this client
     plan.privacy = privacy_of(node, settings)
+    # the node's ledger keeps the fixed share of delta for the charges of every fit on its data
+    plan.privacy.accounting_delta(extra_mass(list(spent) + [plan.event(0, settings.planned_rounds, 1.0)]), fixed_reserve=True)
     if not spent:
         plan.calibrate(settings.planned_rounds)
         return plan

@@ -223,33 +223,42 @@ class Privacy:
         )
         return self.from_event(event_nm)
 
-    def accounting_delta(self, charges: float = 0.0) -> float:
+    def accounting_delta(self, charges: float = 0.0, fixed_reserve: bool = False) -> float:
         """The delta at which epsilon is calibrated, and at which the ledger reports it.
 
         A ledger's total delta is ``delta_acc + (1 + e^{epsilon_m}) * charges_m``: the coupling arguments
         of the Poisson sampler and of the noise sampler's float tails add their probabilities
         (:func:`~numpyro_dppvi.privacy.ledger.extra_mass`) on top of the accountant's delta. With a
-        budget, a share :data:`DELTA_RESERVE` of the requested delta is kept for them,
+        budget they are taken out of the requested delta before calibrating:
 
-            delta_acc = (1 - DELTA_RESERVE) delta,     (1 + e^epsilon) * charges <= DELTA_RESERVE delta,
+            delta_acc = delta - max(DELTA_RESERVE delta, (1 + e^epsilon) * charges),
 
         so that ``epsilon_m <= epsilon`` at ``delta_acc`` gives a total delta ``<= delta``: the
         ``(epsilon, delta)`` asked for is the one reported, to the last digit. ``charges``: the planned
-        run's (the largest over clients); a plan whose charges do not fit in the reserve is refused. One
-        fixed share, not the charges themselves, so that every client, a resumed fit and a Flower node
-        whose ledger spans several fits use one delta. Without a budget (a noise multiplier alone)
-        there is nothing to keep within: ``delta`` is the target at which epsilon is read and the report
-        adds the charges to it.
+        run's (the largest over clients). Charges within the share :data:`DELTA_RESERVE` give one fixed
+        ``delta_acc`` (every client of a fit, a resume and a Flower node whose ledger spans several fits
+        share it); larger ones (many padded Poisson steps) take their own. ``fixed_reserve=True`` (a
+        Flower node, whose ledger delta is fixed when it is created) refuses charges past the share.
+        Without a budget (a noise multiplier alone) there is nothing to keep within: ``delta`` is the
+        target at which epsilon is read and the report adds the charges to it.
         """
         if self.epsilon is None:
             return self.delta
         accounting = budget_delta(self.delta)
         needed = (1.0 + math.exp(min(self.epsilon, 700.0))) * charges
-        if needed > self.delta - accounting:
+        if needed <= self.delta - accounting:
+            return accounting
+        fix = "ask for a larger delta, or plan fewer releases (rounds, local steps)"
+        if fixed_reserve:
             raise ValueError(
                 f"the sampler's and the noise sampler's charges to delta, (1 + e^epsilon) * {charges:.3g} = "
-                f"{needed:.3g}, exceed the {DELTA_RESERVE:g} of delta={self.delta:g} kept for them: ask for a larger "
-                "delta, or plan fewer releases (rounds, local steps)")
+                f"{needed:.3g}, exceed the {DELTA_RESERVE:g} of delta={self.delta:g} this node's ledger keeps for them: {fix}")
+        accounting = self.delta - needed
+        while accounting > 0.0 and accounting + needed > self.delta:
+            accounting = math.nextafter(accounting, 0.0)
+        if not accounting > 0.0:
+            raise ValueError(f"the sampler's and the noise sampler's charges to delta, (1 + e^epsilon) * {charges:.3g} "
+                             f"= {needed:.3g}, use up delta={self.delta:g}: {fix}")
         return accounting
 
     def epsilon_max_per_client(self, num_clients: int) -> np.ndarray:

@@ -547,14 +547,22 @@ def test_the_reported_delta_with_its_charges_is_within_the_requested_one():
     _total_delta_checks(federated.privacy, 1.0, 1e-5)
 
 
-def test_charges_past_the_reserve_are_refused_with_the_fix():
-    """Finding 10: charges that do not fit in the 1% of delta kept for them cannot be met; the error says
-    what to change. Charges within it are accepted, and the reserve plus the accountant's delta never
-    exceed the delta asked for in floating point."""
+def test_charges_past_the_reserve_are_taken_out_or_refused_with_the_fix():
+    """Finding 10: charges within the 1% of delta kept for them give one fixed accountant's delta (the
+    reserve plus it never exceed the delta asked for in floating point); larger charges are taken out of
+    delta by a single fit and refused, with the fix, where the ledger's delta is fixed (a Flower node);
+    charges that use up delta are refused."""
     budget = Privacy(epsilon=1.0, delta=1e-5)
     largest = DELTA_RESERVE * 1e-5 / (1.0 + np.e)
     assert budget.accounting_delta(largest * (1 - 1e-9)) == budget_delta(1e-5)
-    with pytest.raises(ValueError, match="larger delta"):
-        budget.accounting_delta(largest * 1.01)
+    with pytest.raises(ValueError, match="this node's ledger keeps.*larger delta"):
+        budget.accounting_delta(largest * 1.01, fixed_reserve=True)
+    # a single fit takes larger charges out of delta itself (global DP-VI on UCI Adult, 2000 padded
+    # Poisson steps: (1 + e) * 9.2e-8 = 3.4e-7, 3.4% of delta, which the fixed share refused)
+    for charges in (largest * 1.01, 9.16e-8, 2e-6):
+        accounting = budget.accounting_delta(charges)
+        assert 0 < accounting < budget_delta(1e-5) and accounting + (1.0 + np.e) * charges <= 1e-5
+    with pytest.raises(ValueError, match="use up delta.*larger delta"):
+        budget.accounting_delta(1e-5 / (1.0 + np.e))
     for delta in np.random.default_rng(1).uniform(1e-12, 0.5, size=1000):
         assert budget_delta(delta) + DELTA_RESERVE * delta <= delta
