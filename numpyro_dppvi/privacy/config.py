@@ -48,12 +48,17 @@ def _optional_positive(name, value):
 DELTA_RESERVE = 0.01
 
 
-def budget_delta(delta: float) -> float:
-    """``(1 - DELTA_RESERVE) delta``, rounded down so that it plus the reserve never exceeds ``delta``."""
-    accounting = delta * (1.0 - DELTA_RESERVE)
-    while accounting + DELTA_RESERVE * delta > delta:
+def _delta_less(delta: float, kept: float) -> float:
+    """``delta - kept``, rounded down so that it plus ``kept`` never exceeds ``delta`` in floating point."""
+    accounting = delta - kept
+    while accounting > 0.0 and accounting + kept > delta:
         accounting = math.nextafter(accounting, 0.0)
     return accounting
+
+
+def budget_delta(delta: float) -> float:
+    """``(1 - DELTA_RESERVE) delta``, rounded down so that it plus the reserve never exceeds ``delta``."""
+    return _delta_less(delta, DELTA_RESERVE * delta)
 
 
 @dataclass(frozen=True)
@@ -253,9 +258,7 @@ class Privacy:
             raise ValueError(
                 f"the sampler's and the noise sampler's charges to delta, (1 + e^epsilon) * {charges:.3g} = "
                 f"{needed:.3g}, exceed the {DELTA_RESERVE:g} of delta={self.delta:g} this node's ledger keeps for them: {fix}")
-        accounting = self.delta - needed
-        while accounting > 0.0 and accounting + needed > self.delta:
-            accounting = math.nextafter(accounting, 0.0)
+        accounting = _delta_less(self.delta, needed)
         if not accounting > 0.0:
             raise ValueError(f"the sampler's and the noise sampler's charges to delta, (1 + e^epsilon) * {charges:.3g} "
                              f"= {needed:.3g}, use up delta={self.delta:g}: {fix}")
