@@ -140,6 +140,44 @@ def to_loc_log_scale(g: Gaussian) -> dict:
     return {"loc": loc, "log_scale": jnp.log(scale)}
 
 
+def scale_tril(params: dict) -> jax.Array:
+    """The lower-triangular ``L`` (covariance ``L L^T``) of the full-rank parametrisation
+    ``{"loc", "log_diag", "offdiag"}``: ``L_ii = exp(log_diag_i)``, the ``D (D - 1) / 2`` entries below the
+    diagonal ``offdiag`` (row-major, ``numpy.tril_indices(D, -1)``)."""
+    dim = params["loc"].shape[-1]
+    rows, cols = jnp.tril_indices(dim, -1)
+    lower = jnp.zeros(params["loc"].shape[:-1] + (dim, dim), params["loc"].dtype).at[..., rows, cols].set(
+        params["offdiag"])
+    return lower + jnp.exp(params["log_diag"])[..., None] * jnp.eye(dim, dtype=params["loc"].dtype)
+
+
+def to_params(g: Gaussian) -> dict:
+    """The parameters a gradient optimiser moves: ``{"loc", "log_scale"}`` (mean-field) or, full-rank, the
+    mean and the Cholesky factor ``L`` of the covariance, ``{"loc", "log_diag", "offdiag"}``
+    (:func:`scale_tril`): ``2 D`` and ``D (D + 3) / 2`` coordinates, unconstrained."""
+    if not is_full_rank(g):
+        return to_loc_log_scale(g)
+    mean, precision = mean_and_precision(g)
+    dim = mean.shape[-1]
+    lower = jnp.linalg.cholesky(jnp.linalg.inv(precision))
+    rows, cols = jnp.tril_indices(dim, -1)
+    return {"loc": mean, "log_diag": jnp.log(jnp.diagonal(lower, axis1=-2, axis2=-1)),
+            "offdiag": lower[..., rows, cols]}
+
+
+def from_params(params: dict) -> Gaussian:
+    """Inverse of :func:`to_params` (the family read from the keys): full-rank ``Lambda = L^{-T} L^{-1}``,
+    ``eta1 = Lambda loc``, ``eta2 = -Lambda / 2``."""
+    if "offdiag" not in params:
+        return from_loc_log_scale(params)
+    lower = scale_tril(params)
+    dim = lower.shape[-1]
+    inverse = jax.scipy.linalg.solve_triangular(lower, jnp.eye(dim, dtype=lower.dtype), lower=True)
+    precision = inverse.T @ inverse
+    precision = 0.5 * (precision + precision.T)
+    return Gaussian(precision @ params["loc"], -0.5 * precision)
+
+
 def multiply(a: Gaussian, b: Gaussian) -> Gaussian:
     """Product of factors: natural parameters add."""
     return Gaussian(a.eta1 + b.eta1, a.eta2 + b.eta2)

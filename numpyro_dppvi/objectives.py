@@ -39,12 +39,21 @@ def standard_draws(key, num_samples: int, dim: int, antithetic: bool = True) -> 
 
 
 def draws(params: dict, eps: jax.Array) -> jax.Array:
-    """Reparameterised draws ``u_s = mu + exp(log s) * eps_s``, ``[S, D]``."""
+    """Reparameterised draws ``u_s = mu + exp(log s) * eps_s``, ``[S, D]``; full-rank parameters
+    (:func:`~numpyro_dppvi.factors.to_params`): ``u_s = mu + L eps_s``."""
+    if "offdiag" in params:
+        return params["loc"] + eps @ factors.scale_tril(params).T
     return params["loc"] + jnp.exp(params["log_scale"]) * eps
 
 
 def cavity_term(params: dict, cavity: Gaussian) -> jax.Array:
-    """``E_q[log cavity(u)] + H[q]`` (= ``-KL(q || cavity) + log Z_cavity``), analytic."""
+    """``E_q[log cavity(u)] + H[q]`` (= ``-KL(q || cavity) + log Z_cavity``), analytic (full-rank ``q``:
+    ``E_q[log cavity]`` with ``Sigma = L L^T`` and ``H[q] = D log(2 pi e) / 2 + sum_i log L_ii``)."""
+    if "offdiag" in params:
+        lower = factors.scale_tril(params)
+        dim = lower.shape[-1]
+        entropy = 0.5 * dim * jnp.log(2 * jnp.pi * jnp.e) + jnp.sum(params["log_diag"])
+        return factors.expected_log_factor_full(params["loc"], lower @ lower.T, factors.to_full_rank(cavity)) + entropy
     scale = jnp.exp(params["log_scale"])
     return factors.expected_log_factor(params["loc"], scale, cavity) + factors.entropy(scale)
 
@@ -118,6 +127,8 @@ def per_example_log_lik_grads(log_lik_row, params: dict, eps: jax.Array, rows: t
     gradient is padded back to ``D`` columns inside the model.
     """
     dim = eps.shape[-1]
+    if "offdiag" in params:
+        return _per_example_full_rank_grads(log_lik_row, params, eps, rows, blocks)
     if blocks is None:
         blocks, flat = (dim,), log_lik_row
         log_lik_row = lambda parts, row: flat(parts[0], row)
@@ -179,3 +190,30 @@ def expected_grad_and_diag_hessian(log_density, loc, scale, eps, index) -> tuple
     weight = finite / jnp.sum(finite)  # draws with a non-finite statistic are left out (all of them: NaN)
     mean = lambda a: jnp.sum(jnp.where(finite[:, None], a, 0.0) * weight[:, None], axis=0)
     return mean(grads), mean(diags)
+
+
+def _per_example_full_rank_grads(log_lik_row, params: dict, eps: jax.Array, rows: tuple, blocks) -> dict:
+    """Per-example gradients w.r.t. the full-rank parameters ``{"loc", "log_diag", "offdiag"}`` of
+    ``u_s = mu + L eps_s`` (:func:`~numpyro_dppvi.factors.scale_tril`): with ``G_is = grad_u log p(x_i | u_s)``
+    and ``M_i = (1/S) sum_s G_is eps_s^T`` (``d/dL``),
+
+        g_i^mu = (1/S) sum_s G_is,    g_i^{log_diag} = diag(M_i) * diag(L),    g_i^{offdiag} = M_i below the diagonal,
+
+    leaves ``[B, D]``, ``[B, D]``, ``[B, D (D - 1) / 2]``: the ``D (D + 3) / 2`` coordinates DP-SGD clips
+    jointly. ``blocks``: as :func:`per_example_log_lik_grads`."""
+    dim = eps.shape[-1]
+    if blocks is None:
+        row_fn = log_lik_row
+    else:
+        offsets = [sum(blocks[:k]) for k in range(len(blocks))]
+        row_fn = lambda v, row: log_lik_row([v[..., o:o + b] for o, b in zip(offsets, blocks)], row)
+    lower = factors.scale_tril(params)
+    u = params["loc"] + eps @ lower.T
+    per_row = lambda row: jax.vmap(jax.grad(row_fn), in_axes=(0, None))(u, row)
+    grads = jax.vmap(per_row)(rows)  # [B, S, D]
+    num_samples = eps.shape[0]
+    outer = jnp.einsum("bsd,se->bde", grads, eps) / num_samples  # d/dL, [B, D, D]
+    r, c = jnp.tril_indices(dim, -1)
+    return {"loc": jnp.mean(grads, axis=1),
+            "log_diag": jnp.diagonal(outer, axis1=-2, axis2=-1) * jnp.diagonal(lower),
+            "offdiag": outer[:, r, c]}

@@ -29,6 +29,7 @@ from .events import (
 )
 from .ledger import NotPrivate, PrivacyLedger
 from .mechanisms import (
+    add_frobenius_symmetric_noise,
     add_gaussian_noise,
     add_symmetric_noise,
     aggregator_noise_share,
@@ -59,7 +60,7 @@ __all__ = [
     "Privacy",
     "NEIGHBOURING_RELATIONS", "SAMPLING_SCHEMES", "GaussianEvent", "merge_events", "sensitivity",
     "NotPrivate", "PrivacyLedger",
-    "add_gaussian_noise", "add_symmetric_noise",
+    "add_frobenius_symmetric_noise", "add_gaussian_noise", "add_symmetric_noise",
     "aggregator_noise_share", "aggregator_noise_shares", "clip_per_example", "clip_update", "clipped_sum",
     "gaussian_noise_like", "per_example_norms", "project_psd", "symmetric_gaussian_noise",
     "tree_norm",

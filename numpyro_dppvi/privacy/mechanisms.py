@@ -228,6 +228,41 @@ def add_symmetric_noise(key, matrix, std):
     return noisy_upper + jnp.swapaxes(jnp.triu(noisy_upper, k=1), -1, -2)
 
 
+def add_frobenius_symmetric_noise(key, matrix, std):
+    """Release a symmetric matrix ``A`` whose change is bounded in the **Frobenius** norm (a change of a
+    full-rank factor's ``eta2``, clipped with its ``eta1``): the Gaussian mechanism of std ``std`` on the
+    coordinates
+
+        phi(A) = (A_ii for every i;  sqrt(2) A_ij for i < j),        ||phi(A)||_2 = ||A||_F,
+
+    mapped back. ``phi`` is a linear isometry of the symmetric matrices onto ``R^{d (d + 1) / 2}``, so a
+    change of Frobenius norm ``<= Delta`` moves ``phi(A)`` by ``<= Delta`` in L2 and ``phi(A) + N(0, std^2 I)``
+    is exactly the Gaussian mechanism of noise multiplier ``std / Delta``; undoing ``phi`` (halving the
+    off-diagonal entries by ``sqrt(2)`` and mirroring them) is post-processing. The result: diagonal noise of
+    std ``std``, off-diagonal noise of std ``std / sqrt(2)``, symmetric. (:func:`add_symmetric_noise` puts
+    ``std`` on every entry of the upper triangle, the mechanism for a bound on the upper triangle's own
+    norm; for a Frobenius bound it is valid but adds twice the variance off the diagonal.) The noise
+    coordinates are ``d (d + 1) / 2`` per matrix; ``phi``, the noise and the inverse are computed in float64
+    and the result rounded once. ``matrix`` is ``[..., d, d]`` (leading axes: independent noise); only its
+    upper triangle is read.
+    """
+    matrix = jnp.asarray(matrix)
+    if matrix.ndim < 2 or matrix.shape[-1] != matrix.shape[-2] or matrix.shape[-1] < 1:
+        raise ValueError(f"add_frobenius_symmetric_noise needs square matrices, got shape {matrix.shape}.")
+    _check_nonnegative("std", std)
+    d = matrix.shape[-1]
+    diagonal = jnp.eye(d, dtype=bool)
+    upper = jnp.triu(jnp.ones((d, d), bool), k=1)
+    with noise._x64():
+        root2 = jnp.sqrt(jnp.float64(2.0))
+        a = matrix.astype(jnp.float64)
+        coordinates = jnp.where(diagonal, a, jnp.where(upper, root2 * a, 0.0))
+        noisy = coordinates + jnp.asarray(std).astype(jnp.float64) * noise.standard_normal(key, matrix.shape)
+        back = jnp.where(diagonal, noisy, jnp.where(upper, noisy / root2, 0.0))
+        symmetric = back + jnp.swapaxes(jnp.where(upper, back, 0.0), -1, -2)
+        return symmetric.astype(matrix.dtype)
+
+
 def symmetric_gaussian_noise(key, dim: int, std, dtype=jnp.float32):
     """Symmetric ``dim x dim`` noise alone (upper triangle iid ``N(0, std^2)``, mirrored); a
     release should use :func:`add_symmetric_noise`."""

@@ -42,7 +42,7 @@ def fit_global_vi(model, clients, *, steps: int = 1000, steps_per_round: int = 1
                   eval_data=None, progress: bool = False, privacy=None, family: str = "mean_field") -> DPPVIResult:
     """VI (``privacy=None``) or DP-SGD VI on the pooled data of ``clients``; history every ``steps_per_round`` steps.
 
-    ``family``: ``"mean_field"`` or ``"full_rank"`` (non-private; see :class:`~numpyro_dppvi.pvi.fit.DPPVI`).
+    ``family``: ``"mean_field"`` or ``"full_rank"`` (private or not; see :class:`~numpyro_dppvi.pvi.fit.DPPVI`).
 
     ``rng_key=None`` draws the key from the operating system (see :func:`~numpyro_dppvi.fit_dppvi`).
     """
@@ -74,7 +74,7 @@ def fit_bcm(model, clients, *, prior: str = "same", local_steps: int = 1000, bat
             eval_data=None, privacy=None, invalid: str = "prior", family: str = "mean_field") -> DPPVIResult:
     """Bayesian committee machine in one round (``prior="same" | "split"``), optionally with DP-SGD training.
 
-    ``family``: ``"mean_field"`` or ``"full_rank"`` (non-private); with ``"full_rank"`` a combined precision
+    ``family``: ``"mean_field"`` or ``"full_rank"`` (private or not); with ``"full_rank"`` a combined precision
     that is not positive definite raises (the reset rule is per coordinate, which a full precision matrix
     does not have).
 

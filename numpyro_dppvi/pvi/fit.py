@@ -44,7 +44,8 @@ from .local import DPOptimisation, NonPrivate, ServerFactorStep
 from .privacy_plan import check_subsampled, client_level_plan, dp_sgd_plan, shard_update_plan
 from .server import SCHEDULES, PVIState
 from .shards import ROWS, make_shards
-from .update_perturbation import INVALID_RULES, LocalAveraging, VirtualClients, trusted_aggregator_round
+from .update_perturbation import (INVALID_RULES, LocalAveraging, VirtualClients, release_coordinates,
+                                  trusted_aggregator_round)
 
 METHODS = ("pvi", "dp_optimisation", "local_averaging", "virtual_clients", "parameter_perturbation")
 UPDATE_METHODS = ("local_averaging", "virtual_clients", "parameter_perturbation")
@@ -216,7 +217,7 @@ def _initial_state(rule, server_step, num_clients, data, mask, key_data, prior, 
     """The state before round 1 (``q_0`` = prior times the server's refined prior factor): one
     program, jitted and cached per (rule, server step, number of clients) by ``DPPVI.init``."""
     m, dim = num_clients, prior.eta1.shape[0]
-    family = getattr(rule, "FAMILY", "mean_field")
+    family = getattr(rule, "family", "mean_field")
     half = jnp.full(dim, -0.5, prior.eta2.dtype)  # a strongly typed state: a resumed one compiles nothing new
     t0 = factors.as_family(Gaussian(jnp.zeros(dim, prior.eta1.dtype), jnp.where(server_mask, half, jnp.zeros_like(half))),
                            family)
@@ -317,7 +318,13 @@ class DPPVI:
             memory per client and ``O(D^3)`` per step; local steps by :class:`~numpyro_dppvi.optim.Newton`,
             :mod:`~numpyro_dppvi.pvi.full_rank`). Mean-field under-states the sds of correlated posteriors
             (docs/guide.md, "Choosing the family"). ``"full_rank"`` is available without privacy
-            (``method="pvi"``, :func:`fit_global_vi`, :func:`fit_bcm`).
+            (``method="pvi"``, :func:`fit_global_vi`, :func:`fit_bcm`) and with every private method: update
+            perturbation (with or without a trusted aggregator) and client-level DP release a clipped change
+            of the whole precision matrix with symmetric noise
+            (:func:`~numpyro_dppvi.pvi.update_perturbation.release_change`); DP optimisation moves the mean
+            and the Cholesky factor of the covariance with an optax optimizer
+            (:func:`~numpyro_dppvi.factors.to_params`). A private release has ``D (D + 3) / 2`` noise
+            coordinates (mean-field ``2 D``).
     """
 
     def __init__(self, model, method: str = "pvi", schedule: str | None = None,
@@ -330,11 +337,11 @@ class DPPVI:
         if method not in METHODS:
             raise ValueError(f"unknown method {method!r}{did_you_mean(method, METHODS)}; choose one of {METHODS}")
         factors.check_family(family, "DPPVI")
-        if family == "full_rank" and (method != "pvi" or privacy is not None):
-            raise ValueError(f"family='full_rank' is available without privacy (method='pvi', fit_global_vi, fit_bcm); "
-                             f"method={method!r}{' with privacy' if privacy is not None else ''} needs "
-                             "family='mean_field' for now (a private full-rank release is issue 22's next part)")
-        if family == "full_rank" and optimizer is not None and not isinstance(optimizer, Newton):
+        if method == "dp_optimisation" and isinstance(optimizer, Newton):
+            raise ValueError("method='dp_optimisation' takes an optax optimizer on the privatised gradients "
+                             "(optim.Newton needs the Hessians of the data, which DP-SGD does not release); with "
+                             "family='full_rank' it moves the mean and the Cholesky factor of the covariance")
+        if family == "full_rank" and method != "dp_optimisation" and optimizer is not None and not isinstance(optimizer, Newton):
             raise ValueError("family='full_rank' takes Newton steps with exact expected Hessians: pass "
                              "optimizer=optim.Newton(precision_step=...) or leave optimizer out (optax "
                              "transformations act on the (loc, log_scale) of a mean-field q)")
@@ -343,7 +350,7 @@ class DPPVI:
                              "optax optimizer")
         defaults = METHOD_DEFAULTS.get(method, {})
         schedule = default_schedule(method, trusted_aggregator, privacy_unit) if schedule is None else schedule
-        if family == "full_rank" and optimizer is None:
+        if family == "full_rank" and optimizer is None and method != "dp_optimisation":
             optimizer = Newton()
         optimizer = defaults.get("optimizer", DEFAULT_OPTIMIZER) if optimizer is None else optimizer
         local_steps = defaults.get("local_steps", DEFAULT_LOCAL_STEPS) if local_steps is None else local_steps
@@ -443,7 +450,9 @@ class DPPVI:
             self.adapter.validate_data(c, f"client {m}")
         self.num_clients = len(clients)
         a, p = self.adapter, self.privacy
-        dimension = 2 * a.dim  # noise coordinates of one release: (eta1, eta2) or (loc, log_scale)
+        # noise coordinates of one release: a change of (eta1, eta2), or DP-SGD's gradient of (loc, log_scale) or
+        # of the full-rank (loc, log_diag, offdiag), as many: 2 D or D (D + 3) / 2
+        dimension = release_coordinates(a.dim, self.family)
         if self.method in UPDATE_METHODS:
             layout = self.shard_layout(clients, key_data)
             self.num_shards = layout.num_shards
@@ -459,30 +468,30 @@ class DPPVI:
             self.rule = DPOptimisation(a.log_lik_rows, a.dim, self.optimizer, self.local_steps, self.batch_size,
                                        self.num_samples, log_lik_row=a.log_lik_row_blocks, clip=p.clip,
                                        sampling=p.sampling, max_batch=self.plan.max_batch,
-                                       blocks=a.site_sizes, chunk=self.plan.chunk, average=self.tail_average)
+                                       blocks=a.site_sizes, chunk=self.plan.chunk, average=self.tail_average,
+                                       family=self.family)
         elif self.method in UPDATE_METHODS:
             self.plan = None if p is None else shard_update_plan(p, self.num_clients, self.planned_rounds, dimension,
                                                                  one_record_per_shard=self.shards == ROWS)
             cls = VirtualClients if self.method == "virtual_clients" else LocalAveraging
             self.rule = cls(a.log_lik_rows, a.dim, self.optimizer, self.local_steps, self.num_samples,
                             clip=None if p is None else p.clip, damping=self.damping, invalid=self.invalid,
-                            precision_floor=self.precision_floor)
-        elif self.family == "full_rank":
-            self.rule = NonPrivateFullRank(a.log_lik_rows, a.dim, self.optimizer, self.local_steps, self.batch_size,
-                                           self.num_samples, average=self.tail_average)
+                            precision_floor=self.precision_floor, family=self.family)
         else:
             if self.privacy_unit == "client":
                 self.plan = client_level_plan(p, self.num_clients, self.planned_rounds, self.client_rate, dimension)
-            self.rule = NonPrivate(a.log_lik_rows, a.dim, self.optimizer, self.local_steps, self.batch_size,
-                                   self.num_samples, average=self.tail_average)
+            cls = NonPrivateFullRank if self.family == "full_rank" else NonPrivate
+            self.rule = cls(a.log_lik_rows, a.dim, self.optimizer, self.local_steps, self.batch_size,
+                            self.num_samples, average=self.tail_average)
         if self.plan is not None:
             self._warn_if_noise_swamps()
         server_mask = tuple(bool(b) for b in np.asarray(a.server_mask))
         if not a.has_server_factor:
             self.server_step = None
         elif self.family == "full_rank":
+            newton = self.optimizer if isinstance(self.optimizer, Newton) else Newton()
             self.server_step = ServerFactorStepFullRank(a.server_log_density, server_mask, self.server_steps,
-                                                        self.num_samples, self.optimizer.precision_step)
+                                                        self.num_samples, newton.precision_step)
         else:
             self.server_step = ServerFactorStep(a.server_log_density, server_mask, self.optimizer, self.server_steps,
                                                 self.num_samples)

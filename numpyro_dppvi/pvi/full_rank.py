@@ -153,7 +153,7 @@ class NonPrivateFullRank:
     steps, 20 rounds) the mean ended 0.1-0.5 posterior sd from the exact one, against 0.01-0.03 scaled.
     Give minibatch fits more ``local_steps`` (several sweeps per round)."""
 
-    FAMILY = "full_rank"  # a class attribute, not a field: the initial state's factors are [D, D]
+    family = "full_rank"  # a class attribute, not a field: the initial state's factors are [D, D]
 
     log_lik_rows: Callable
     dim: int

@@ -274,6 +274,11 @@ class DPOptimisation(NonPrivate):
     ``chunk`` rows at a time, so the work follows the batch actually drawn (no pad sized for its
     extreme tail, no truncation to charge).
 
+    **Full-rank** ``q`` (``family="full_rank"``): the parameters are the mean and the Cholesky factor of the
+    covariance, ``(mu, log diag L, L below the diagonal)`` (:func:`~numpyro_dppvi.factors.to_params`), and
+    ``g_i`` their per-example gradients (``D (D + 3) / 2`` coordinates, clipped jointly; the noise has as
+    many). The sensitivity argument below concerns the norm of ``g_i``, whatever its coordinates.
+
     Sensitivity: the released sum changes by at most ``C`` when a record is added or removed and
     ``2C`` when one is replaced (each clipped term has norm <= C; a non-finite term is zeroed); the
     cavity term is data-independent and added after the noise, so it costs nothing. Accounting: per
@@ -295,6 +300,7 @@ class DPOptimisation(NonPrivate):
     max_batch: int = 0  # the fixed batch of sampling without replacement
     blocks: tuple = None
     chunk: int = 8  # rows per chunk of a Poisson batch
+    family: str = "mean_field"  # "full_rank": q and the factors [D, D], parameters (loc, L) (factors.to_params)
 
     def clipped_sum(self, params, eps, rows, bmask, clip=None):
         """``sum_{i in B} clip_C(g_i)`` of per-example likelihood gradients over given rows (pre-noise)."""
@@ -347,7 +353,7 @@ class DPOptimisation(NonPrivate):
 
     def update(self, q, cavity, arrays, mask, n, key, client_state):
         params, losses, _, client_state = optimise(
-            self.optimizer, factors.to_loc_log_scale(q), self.local_steps, key,
+            self.optimizer, factors.to_params(q), self.local_steps, key,
             lambda p, k, t, cs: self.private_step(p, k, arrays, mask, n, cavity, cs),
             average=self.average, aux=client_state, objective_scale=n)
-        return factors.from_loc_log_scale(params), client_state, {"loss": losses[-1]}
+        return factors.from_params(params), client_state, {"loss": losses[-1]}

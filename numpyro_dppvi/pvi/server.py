@@ -36,9 +36,8 @@ import jax.numpy as jnp
 
 from .. import factors
 from ..factors import Gaussian
-from ..privacy.mechanisms import add_gaussian_noise
 from ..privacy.sampling import inclusion_threshold
-from .update_perturbation import apply_invalid_rule, clip_change
+from .update_perturbation import apply_invalid_rule, clip_change, release_change
 
 SCHEDULES = ("sequential", "synchronous", "asynchronous")
 
@@ -222,7 +221,8 @@ def client_level(rule, damping, state: PVIState, data, mask, sizes, key, limits,
     every participant ``clip(Delta_m) + xi / |P|`` let it subtract the noise exactly).
 
     Sensitivity: adding or removing one client's whole data changes ``A`` by at most ``C``
-    (replacing it: ``2C``); every other client's change depends on its own data, its private
+    (replacing it: ``2C``) in the joint norm of :func:`~.update_perturbation.clip_change`, whichever the
+    family (full-rank: the Frobenius norm of the ``eta2`` change, the norm ``release_change`` noises); every other client's change depends on its own data, its private
     factor (no noise share) and the public ``q``. Every active client is charged every round (it
     may be sampled); which clients were sampled, and how many, stays private.
     """
@@ -236,8 +236,8 @@ def client_level(rule, damping, state: PVIState, data, mask, sizes, key, limits,
     q_new, client_state, metrics = jax.vmap(rule.update, in_axes=(None, 0, 0, 0, 0, 0, 0))(
         q, cavities, data, mask, sizes, keys, state.client_state)
     changes = jax.vmap(lambda a: clip_change(factors.divide(a, q), clip))(q_new)
-    changes = Gaussian(*(jnp.where(part[:, None], c, 0.0) for c in changes))
-    released = add_gaussian_noise(k_noise, factors.product(changes), noise_std)
+    changes = Gaussian(*(jnp.where(_expand(part, c), c, 0.0) for c in changes))
+    released = release_change(k_noise, factors.product(changes), noise_std)
     proposal, invalid = apply_invalid_rule(q, factors.multiply(q, released), damping, invalid_rule, precision_floor)
     accepted = ~invalid if invalid_rule == "reject" else jnp.ones((), bool)
     new_q = factors.damp(q, proposal, damping)

@@ -10,6 +10,15 @@ norm ``C`` (a non-finite change becomes zero). The client's *contribution* is
 
 once per round it takes part in.
 
+**Full-rank factors** (``family="full_rank"``, issue 22): ``eta2`` is the whole symmetric ``[D, D]``
+matrix ``-Lambda / 2``; a shard's proposal comes from Newton steps (:func:`fit_shard`); the joint norm
+is ``sqrt(||Delta eta1||^2 + ||Delta eta2||_F^2)`` (every off-diagonal entry counted twice) and the noise
+is the Gaussian mechanism on the isometric coordinates of that norm (:func:`release_change`: std
+``sigma C`` on ``eta1`` and the diagonal, ``sigma C / sqrt(2)`` off it, mirrored). Every sensitivity
+argument below bounds the joint norm of a change of the release, whatever the family, so it holds
+unchanged; only the noise coordinates grow, ``D + D (D + 1) / 2`` (:func:`release_coordinates`), and with
+them the norm of the noise (``sigma C sqrt(D + D (D + 1) / 2)`` against ``sigma C sqrt(2 D)``).
+
 **Sensitivity** (:mod:`.shards`): with hashed shards one record changes one shard's term, which
 moves inside the ball of radius ``C``: ``Delta = 2C`` under either relation
 (``privacy.sensitivity(C, relation, "shard_update")``); with one record per shard, adding or removing
@@ -61,28 +70,80 @@ import optax
 from .. import factors, objectives
 from ..factors import Gaussian
 from ..privacy import noise
-from ..privacy.mechanisms import add_gaussian_noise, clip_update
+from ..privacy.mechanisms import add_frobenius_symmetric_noise, add_gaussian_noise, clip_update, project_psd
+from . import full_rank
 from .local import optimise
 
 INVALID_RULES = ("reject", "floor")
+#: Share of a full-rank shard's Newton iterates averaged into its proposal (Monte Carlo noise of the
+#: expected Hessians averaged down, as the non-private full-rank step's ``tail_average``).
+FULL_RANK_SHARD_AVERAGE = 0.5
+
+
+def release_coordinates(dim: int, family: str) -> int:
+    """Noise coordinates of one released change of natural parameters (the ``dimension`` of its
+    event, charged the sampler's tail mass each): ``2 D`` mean-field; ``D + D (D + 1) / 2`` full-rank
+    (``eta1`` and the upper triangle of the symmetric ``eta2``, :func:`release_change`). DP optimisation's
+    noisy gradients have as many: ``(loc, log_scale)``, or ``(loc, log_diag, offdiag)`` of a full-rank ``q``
+    (:func:`~numpyro_dppvi.factors.to_params`, ``D (D + 3) / 2``)."""
+    return dim + dim * (dim + 1) // 2 if family == "full_rank" else 2 * dim
 
 
 def clip_change(delta: Gaussian, clip):
     """Clip a change of natural parameters jointly over ``(eta1, eta2)`` to norm ``clip`` (a
-    non-finite change becomes zero); ``clip=None``: no clip (non-private)."""
+    non-finite change becomes zero); ``clip=None``: no clip (non-private).
+
+    The norm is ``sqrt(||eta1||^2 + ||eta2||_F^2)``: for a full-rank factor the Frobenius norm of the
+    whole ``[D, D]`` matrix, every off-diagonal entry counted twice, which is the norm
+    :func:`release_change` calibrates its noise to. A full-rank ``eta2`` is symmetrised first
+    (``(A + A^T) / 2``, which never increases the Frobenius norm), so that the released change is
+    exactly symmetric."""
+    if factors.is_full_rank(delta):
+        delta = Gaussian(delta.eta1, 0.5 * (delta.eta2 + jnp.swapaxes(delta.eta2, -1, -2)))
     if clip is None:
         return delta
     return clip_update(delta, clip)[0]
 
 
+def release_change(key, change: Gaussian, std) -> Gaussian:
+    """``change + noise``: the Gaussian mechanism of std ``std`` on a change of natural parameters
+    clipped by :func:`clip_change` (or a sum of such changes).
+
+    Mean-field: iid ``N(0, std^2)`` on every entry of ``(eta1, eta2)``. Full-rank: iid on ``eta1`` and
+    :func:`~numpyro_dppvi.privacy.mechanisms.add_frobenius_symmetric_noise` on the symmetric ``eta2``
+    (std ``std`` on the diagonal, ``std / sqrt(2)`` off it). In both cases this is the Gaussian mechanism
+    on coordinates whose L2 norm is ``clip_change``'s joint norm ``sqrt(||eta1||^2 + ||eta2||_F^2)``
+    (for full-rank through the isometry ``phi`` of the symmetric matrices), so a release whose joint
+    norm moves by at most ``Delta`` between neighbours has noise multiplier ``std / Delta``, the
+    sensitivity arguments of the callers unchanged by the family. Noise coordinates:
+    :func:`release_coordinates`."""
+    if not factors.is_full_rank(change):
+        return add_gaussian_noise(key, change, std)
+    k1, k2 = jax.random.split(key)
+    return Gaussian(add_gaussian_noise(k1, change.eta1, std), add_frobenius_symmetric_noise(k2, change.eta2, std))
+
+
 def apply_invalid_rule(q: Gaussian, proposal: Gaussian, damping, rule: str, precision_floor: float):
-    """Return ``(proposal', invalid)``: the proposal after the documented rule and whether it fired."""
+    """Return ``(proposal', invalid)``: the proposal after the documented rule and whether it fired.
+
+    ``"floor"``: mean-field, every precision of the proposal raised to at least ``precision_floor``
+    (``eta2 <= -precision_floor / 2``); full-rank, every eigenvalue of the proposal's precision
+    ``-2 eta2`` raised to at least ``precision_floor`` (``V max(lambda, floor) V^T``, the same rule on
+    the precision's spectrum; the proposal is left as it is when no eigenvalue is below the floor).
+    ``eta1`` is kept in both. It fires (and is counted) when any precision, or eigenvalue, is below the
+    floor."""
     damped = factors.damp(q, proposal, damping)
     invalid = ~factors.is_proper(damped)
     if rule == "reject":
         kept = Gaussian(*(jnp.where(invalid, a, b) for a, b in zip(q, proposal)))
         return kept, invalid
-    # floor: eta2 <= -precision_floor / 2 on every coordinate of the proposal
+    if factors.is_full_rank(proposal):
+        precision = -2.0 * proposal.eta2
+        below = jnp.min(jnp.linalg.eigvalsh(0.5 * (precision + precision.T))) < precision_floor
+        raised = project_psd(precision, precision_floor)
+        raised = 0.5 * (raised + raised.T)  # V diag V^T is symmetric only up to rounding
+        floored = jnp.where(below, -0.5 * raised, proposal.eta2)
+        return Gaussian(proposal.eta1, floored), below
     floored = Gaussian(proposal.eta1, jnp.minimum(proposal.eta2, -0.5 * precision_floor))
     return floored, jnp.any(proposal.eta2 > -0.5 * precision_floor)
 
@@ -105,6 +166,7 @@ class ShardRule:
     damping: float = 1.0
     invalid: str = "reject"
     precision_floor: float = 1e-3
+    family: str = "mean_field"  # "full_rank": [D, D] factors, shard proposals by Newton steps (fit_shard)
 
     uses_client_cavity = True
 
@@ -128,7 +190,7 @@ class ShardRule:
         ``q * release^scale`` under the invalid-update rule."""
         k_shards, k_noise = jax.random.split(key)
         summed, tentative = self.contribution(q, cavity, arrays, mask, k_shards, client_state)
-        released = summed if self.clip is None else add_gaussian_noise(k_noise, summed, client_state["noise_std"])
+        released = summed if self.clip is None else release_change(k_noise, summed, client_state["noise_std"])
         proposal = factors.multiply(q, factors.scale(released, self.scale(client_state["num_shards"])))
         proposal, invalid = apply_invalid_rule(q, proposal, self.damping, self.invalid, self.precision_floor)
         accepted = ~invalid if self.invalid == "reject" else jnp.ones((), bool)
@@ -140,6 +202,8 @@ class LocalAveraging(ShardRule):
     """Local averaging / parameter perturbation rule (see module docstring)."""
 
     def init_client_state(self, arrays, mask, key):
+        if self.family == "full_rank":  # Newton steps keep no optimiser state
+            return {"opt": jnp.zeros(mask.shape[0])}
         params = {"loc": jnp.zeros(self.dim), "log_scale": jnp.zeros(self.dim)}
         opt = jax.vmap(lambda _: self.optimizer.init(params))(jnp.arange(mask.shape[0]))
         return {"opt": opt}
@@ -177,7 +241,7 @@ class VirtualClients(ShardRule):
 
     def init_client_state(self, arrays, mask, key):
         k = mask.shape[0]
-        return {"factors": Gaussian(jnp.zeros((k, self.dim)), jnp.zeros((k, self.dim)))}
+        return {"factors": _broadcast(factors.zeros(self.dim, family=self.family), k)}
 
     def scale(self, num_shards):
         return 1.0
@@ -196,7 +260,7 @@ class VirtualClients(ShardRule):
             q, client_state["factors"], arrays, mask, self.shard_keys(key, client_state))
         use = valid_shard & cavity_ok
         deltas = jax.vmap(lambda a: clip_change(factors.divide(a, q), self.clip))(q_k)
-        deltas = Gaussian(*(jnp.where(use[:, None], d, 0.0) for d in deltas))
+        deltas = Gaussian(*(jnp.where(_expand(use, d), d, 0.0) for d in deltas))
         advanced = factors.multiply(client_state["factors"], factors.scale(deltas, self.damping))
         return factors.product(deltas), dict(client_state, factors=advanced)
 
@@ -206,7 +270,18 @@ class VirtualClients(ShardRule):
 
 def fit_shard(rule, q, cavity, arrays, mask, n_eff, key, opt_state=None):
     """``local_steps`` full-shard steps from ``q`` on ``mean_i E_q[log p(x_i)] + (E_q log cavity + H[q]) / n_eff``;
-    returns the shard's proposal and the optimiser state."""
+    returns the shard's proposal and the optimiser state. Full-rank: Newton steps
+    (:func:`~numpyro_dppvi.pvi.full_rank.iterate`) on ``n_eff mean_i log p(x_i | u)`` with the same cavity,
+    the proposal the mean of the last :data:`FULL_RANK_SHARD_AVERAGE` of the iterates; ``opt_state``
+    passes through."""
+    if rule.family == "full_rank":
+        def objective(u, t):
+            rows = rule.log_lik_rows(u, arrays)
+            return n_eff * jnp.sum(jnp.where(mask, rows, 0.0)) / jnp.maximum(jnp.sum(mask), 1.0)
+
+        q_new, _ = full_rank.iterate(objective, q, cavity, rule.local_steps, key, rule.num_samples,
+                                     rule.optimizer.precision_step, FULL_RANK_SHARD_AVERAGE)
+        return q_new, opt_state
 
     def gradient(params, k, t):
         eps = jax.random.normal(k, (rule.num_samples, rule.dim))
@@ -251,15 +326,15 @@ def trusted_aggregator_round(rule: ShardRule, damping, state, data, mask, sizes,
     with noise._x64():  # in float64, rounded up: no participant's share below its calibrated std (issue 24)
         f64 = lambda v: jnp.asarray(v).astype(jnp.float64)
         share = noise.to_float32_up(f64(cs["noise_std"]) * f64(largest) / (f64(scale) * jnp.sqrt(f64(count))))
-    sent = jax.vmap(lambda k, s, std, c: factors.scale(add_gaussian_noise(k, s, std), c))(
+    sent = jax.vmap(lambda k, s, std, c: factors.scale(release_change(k, s, std), c))(
         noise_keys, summed, share, scale)
-    aggregate = factors.product(Gaussian(*(jnp.where(participating[:, None], x, 0.0) for x in sent)))
+    aggregate = factors.product(Gaussian(*(jnp.where(_expand(participating, x), x, 0.0) for x in sent)))
     proposal, invalid = apply_invalid_rule(q, factors.multiply(q, aggregate), damping, rule.invalid,
                                            rule.precision_floor)
     accepted = ~invalid if rule.invalid == "reject" else jnp.ones((), bool)
     new_q = factors.damp(q, proposal, damping)
-    weight = jnp.where(participating & accepted, damping * scale, 0.0)[:, None]
-    own = Gaussian(summed.eta1 * weight, summed.eta2 * weight)
+    weight = jnp.where(participating & accepted, damping * scale, 0.0)
+    own = Gaussian(*(x * _expand(weight, x) for x in summed))
     new_factors = factors.multiply(state.factors, own)
     noise_part = factors.divide(factors.divide(new_q, q), factors.product(own))
     commit = jax.vmap(rule.commit)(cs, tentative, participating & accepted)
@@ -274,7 +349,7 @@ def trusted_aggregator_round(rule: ShardRule, damping, state, data, mask, sizes,
 
 
 def _masked_sum(deltas: Gaussian, valid) -> Gaussian:
-    return Gaussian(*(jnp.sum(jnp.where(valid[:, None], d, 0.0), axis=0) for d in deltas))
+    return Gaussian(*(jnp.sum(jnp.where(_expand(valid, d), d, 0.0), axis=0) for d in deltas))
 
 
 def _broadcast(g: Gaussian, m: int) -> Gaussian:

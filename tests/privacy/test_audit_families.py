@@ -40,6 +40,7 @@ import pytest
 import numpyro_dppvi as dppvi
 from numpyro_dppvi import factors
 from numpyro_dppvi.factors import Gaussian
+from numpyro_dppvi.optim import Newton
 from numpyro_dppvi.privacy import GaussianEvent, Privacy, audit, sensitivity
 from numpyro_dppvi.pvi import server
 from numpyro_dppvi.pvi.update_perturbation import trusted_aggregator_round
@@ -103,10 +104,11 @@ def one_client(state, m=0):
 # --------------------------------------------------------------------------- DP optimisation
 
 @functools.lru_cache  # set-up (model trace, plan, init) shared by an audit and its planted bugs
-def dp_optimisation_setup(neighbouring="add_remove", steps=2, n=10, batch=5, noise_multiplier=1.0):
+def dp_optimisation_setup(neighbouring="add_remove", steps=2, n=10, batch=5, noise_multiplier=1.0,
+                          family="mean_field"):
     privacy = Privacy(noise_multiplier=noise_multiplier, clip=CLIP, delta=DELTA, neighbouring=neighbouring)
     d = dppvi.DPPVI(linreg, method="dp_optimisation", privacy=privacy, batch_size=batch, local_steps=steps,
-                    rounds=1, num_samples=4, optimizer=optax.sgd(1e-2))
+                    rounds=1, num_samples=4, optimizer=optax.sgd(1e-2), family=family)
     state = d.init(jax.random.key(0), [planted_client(n)])
     claim = ledger_epsilon(privacy, [[d.plan.event(0, 1)]])
     return d, state, claim
@@ -120,6 +122,8 @@ def dp_optimisation_mechanism(d, state, rule=None, noise_scale=1.0):
     cs = dict(cs, noise_std=cs["noise_std"] * noise_scale)
     # a narrow q: the planted row's gradient points along loc_1 (log-scale part ~1e-3 of it)
     params = {"loc": jnp.zeros(2), "log_scale": jnp.full(2, -3.0)}
+    if d.family == "full_rank":  # as narrow, with a correlation: (loc, log diag L, L below the diagonal)
+        params = factors.to_params(Gaussian(jnp.zeros(2), -0.5 * jnp.asarray([[403.0, 200.0], [200.0, 403.0]])))
     n = d.sizes[0]
 
     def mechanism(key, data):
@@ -155,6 +159,18 @@ def test_dp_optimisation_audit(bug):
 
 
 @pytest.mark.slow
+@pytest.mark.parametrize("bug", ["none", "clip skipped"])
+def test_full_rank_dp_optimisation_audit(bug):
+    """The same two releases with a full-rank ``q`` (issue 22): the per-example gradients of
+    ``(loc, log diag L, L below the diagonal)``, clipped jointly, ``D (D + 3) / 2`` noise coordinates."""
+    d, state, claim = dp_optimisation_setup(family="full_rank")
+    rule = dataclasses.replace(d.rule, clip=1e6) if bug == "clip skipped" else None
+    mechanism = dp_optimisation_mechanism(d, state, rule)
+    result = audit(mechanism, *dp_optimisation_pair(d, "add_remove"), jax.random.key(12), DELTA, num_runs=RUNS)
+    check("dp_optimisation", f"full-rank, add/remove, bug: {bug}", result, claim, expect_exceeds=bug != "none")
+
+
+@pytest.mark.slow
 def test_dp_optimisation_substitute_audit_passes():
     d, state, claim = dp_optimisation_setup("substitute")
     mechanism = dp_optimisation_mechanism(d, state)
@@ -174,11 +190,13 @@ UPDATE_SIGMA = 2.0
 
 
 @functools.lru_cache
-def update_setup(method, shards, noise_multiplier, num_clients=1, rows=4, trusted_aggregator=False):
+def update_setup(method, shards, noise_multiplier, num_clients=1, rows=4, trusted_aggregator=False,
+                 family="mean_field"):
     privacy = Privacy(noise_multiplier=noise_multiplier, clip=CLIP, delta=DELTA, neighbouring="substitute")
     clients = [planted_client(rows, m == 0) for m in range(num_clients)]
     d = dppvi.DPPVI(linreg, method=method, shards=shards, privacy=privacy, local_steps=5, rounds=1,
-                    num_samples=4, optimizer=optax.sgd(1e-2), trusted_aggregator=trusted_aggregator)
+                    num_samples=4, optimizer=Newton() if family == "full_rank" else optax.sgd(1e-2),
+                    trusted_aggregator=trusted_aggregator, family=family)
     state = d.init(jax.random.key(0), clients)
     claim = ledger_epsilon(privacy, [[d.plan.event(m, 1)] for m in range(num_clients)], trusted_aggregator)
     return d, state, claim
@@ -187,8 +205,9 @@ def update_setup(method, shards, noise_multiplier, num_clients=1, rows=4, truste
 def released_sum(rule, arrays, mask, n, key, cs, num_shards):
     """The client's released ``R_m = sum_k clip(Delta_k) + noise``, read off the rule's proposal
     (local averaging proposes ``q + R_m / N_m``, virtual clients ``q + R_m``)."""
-    proposal, _, _ = rule.update(PUBLIC_Q, PUBLIC_Q, arrays, mask, n, key, cs)
-    return factors.scale(factors.divide(proposal, PUBLIC_Q), num_shards)
+    public_q = factors.as_family(PUBLIC_Q, rule.family)
+    proposal, _, _ = rule.update(public_q, public_q, arrays, mask, n, key, cs)
+    return factors.scale(factors.divide(proposal, public_q), num_shards)
 
 
 def update_mechanism(d, state, rule=None, noise_scale=1.0):
@@ -230,6 +249,22 @@ def test_parameter_perturbation_audit(bug):
     check("parameter_perturbation", f"substitute, bug: {bug}", result, claim, expect_exceeds=bug != "none")
     if bug == "none":
         check("parameter_perturbation", "substitute, bug: wrong relation", result,
+              record_level_claim(UPDATE_SIGMA), expect_exceeds=True)
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("bug", ["none", "clip skipped"])
+def test_full_rank_parameter_perturbation_audit(bug):
+    """Parameter perturbation with full-rank factors (issue 22): the release is a change of ``eta1`` and of
+    the whole symmetric ``eta2``, clipped jointly (Frobenius) and noised by ``release_change``; the
+    distinguisher sees every entry of both (the mirrored ones too)."""
+    d, state, claim = update_setup("parameter_perturbation", None, noise_multiplier=UPDATE_SIGMA, family="full_rank")
+    rule = dataclasses.replace(d.rule, clip=None) if bug == "clip skipped" else None
+    result = audit(update_mechanism(d, state, rule), *update_pair(d), jax.random.key(21), DELTA, num_runs=RUNS)
+    check("parameter_perturbation", f"full-rank, substitute, bug: {bug}", result, claim,
+          expect_exceeds=bug != "none")
+    if bug == "none":
+        check("parameter_perturbation", "full-rank, substitute, bug: wrong relation", result,
               record_level_claim(UPDATE_SIGMA), expect_exceeds=True)
 
 

@@ -19,6 +19,7 @@ from numpyro_dppvi.privacy import (
     project_psd,
     sensitivity,
     symmetric_gaussian_noise,
+    add_frobenius_symmetric_noise,
 )
 
 CLIP = 1.3
@@ -142,6 +143,29 @@ def test_symmetric_noise_is_symmetric_with_iid_upper_triangle():
     var = d.var(axis=0)
     assert np.all(np.abs(var - 0.25) < 5 * 0.25 * math.sqrt(2 / 20000))
     assert abs(np.corrcoef(d[:, 0, 1], d[:, 0, 2])[0, 1]) < 5 / math.sqrt(20000)
+
+
+def test_frobenius_symmetric_noise_is_the_gaussian_mechanism_on_isometric_coordinates():
+    """Diagonal variance ``std^2``, off-diagonal ``std^2 / 2``, entries uncorrelated, exactly symmetric: then
+    ``phi(E) = (E_ii, sqrt(2) E_ij)`` is iid ``N(0, std^2)`` and ``||phi(A)|| = ||A||_F`` (so a Frobenius
+    sensitivity is the L2 sensitivity of the coordinates). 20000 draws: the se of a variance is
+    ``var sqrt(2 / n)``, of a correlation ``1 / sqrt(n)``; 5 se each."""
+    n, std = 20000, 0.5
+    signal = jnp.asarray([[1.0, 2.0, 3.0], [2.0, 4.0, 5.0], [3.0, 5.0, 6.0]], jnp.float32)
+    draws = np.asarray(jax.vmap(lambda k: add_frobenius_symmetric_noise(k, signal, std))(
+        jax.random.split(jax.random.key(2), n)), np.float64) - np.asarray(signal)
+    np.testing.assert_array_equal(draws, np.swapaxes(draws, 1, 2))
+    var = draws.var(axis=0)
+    expected = np.where(np.eye(3, dtype=bool), std ** 2, std ** 2 / 2)
+    assert np.all(np.abs(var - expected) < 5 * expected * math.sqrt(2 / n)), var
+    upper = [draws[:, i, j] for i in range(3) for j in range(i, 3)]
+    corr = np.corrcoef(np.stack(upper))
+    assert np.max(np.abs(corr - np.eye(len(upper)))) < 5 / math.sqrt(n)
+    a = np.asarray(signal, np.float64)
+    phi = np.concatenate([np.diag(a), math.sqrt(2) * a[np.triu_indices(3, 1)]])
+    assert abs(np.linalg.norm(phi) - np.linalg.norm(a)) < 1e-12
+    with pytest.raises(ValueError, match="square"):
+        add_frobenius_symmetric_noise(jax.random.key(0), jnp.ones((2, 3)), 1.0)
 
 
 def test_project_psd_floors_eigenvalues_and_keeps_valid_matrices():

@@ -171,9 +171,6 @@ def test_full_rank_errors_name_the_fix():
         dppvi.fit_dppvi(linear, clients, family="diagonal")
     with pytest.raises(ValueError, match="optim.Newton"):
         dppvi.fit_dppvi(linear, clients, family="full_rank", optimizer=optax.adam(1e-2))
-    with pytest.raises(ValueError, match="mean_field"):
-        dppvi.fit_dppvi(linear, clients, family="full_rank", method="dp_optimisation", batch_size=10,
-                        privacy=dppvi.Privacy(epsilon=1.0, delta=1e-5), rounds=2)
 
 
 def test_global_vi_and_bcm_take_the_family():

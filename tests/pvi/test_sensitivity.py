@@ -25,6 +25,7 @@ import pytest
 import numpyro_dppvi as dppvi
 from numpyro_dppvi import factors, keys
 from numpyro_dppvi.factors import Gaussian
+from numpyro_dppvi.optim import Newton
 from numpyro_dppvi.privacy import Privacy, sensitivity
 from numpyro_dppvi.privacy.mechanisms import tree_norm
 from numpyro_dppvi.pvi import server
@@ -84,14 +85,18 @@ def distance(a, b):
 # --------------------------------------------------------------------------- DP optimisation
 
 @pytest.mark.parametrize("relation", RELATIONS)
-def test_dp_optimisation_step_sum(relation):
+@pytest.mark.parametrize("family", ["mean_field", "full_rank"])
+def test_dp_optimisation_step_sum(family, relation):
     """The released query of a DP-SGD step, ``sum_i clip(g_i)`` of the per-example likelihood
-    gradients over a batch holding every record (rate 1: the record is always in it)."""
+    gradients over a batch holding every record (rate 1: the record is always in it). Full-rank: the
+    gradients of ``(loc, log_diag, offdiag)`` of a correlated ``q``, clipped jointly."""
     client = client_data(40)
     d = dppvi.DPPVI(logistic, method="dp_optimisation", batch_size=5, rounds=1, num_samples=3,
-                    privacy=Privacy(noise_multiplier=1.0, clip=CLIP))
+                    privacy=Privacy(noise_multiplier=1.0, clip=CLIP), family=family)
     d.init(jax.random.key(0), [client, client_data(40, 1)])
     params = {"loc": jnp.array([0.3, -0.2]), "log_scale": jnp.array([-1.0, -0.5])}
+    if family == "full_rank":
+        params = factors.to_params(factors.Gaussian(jnp.array([0.6, -0.9]), jnp.array([[-4.0, 1.5], [1.5, -3.0]])))
     eps = jax.random.normal(jax.random.key(1), (3, 2))
     released = jax.jit(lambda arrays: d.rule.clipped_sum(params, eps, arrays, jnp.ones(arrays[0].shape[0], bool)))
     base = released(client)
@@ -112,11 +117,12 @@ SHARD_CASES = {
 }
 
 
-def shard_driver(method, shards, clients, trusted_aggregator=False, relation="add"):
+def shard_driver(method, shards, clients, trusted_aggregator=False, relation="add", family="mean_field"):
     privacy = Privacy(noise_multiplier=1.0, clip=CLIP, neighbouring=relation_of(relation))
     d = dppvi.DPPVI(logistic, method=method, shards=shards, privacy=privacy,
-                    local_steps=3, num_samples=2, rounds=2, optimizer=optax.adam(5e-2),
-                    trusted_aggregator=trusted_aggregator, schedule="synchronous")
+                    local_steps=3, num_samples=2, rounds=2,
+                    optimizer=Newton() if family == "full_rank" else optax.adam(5e-2),
+                    trusted_aggregator=trusted_aggregator, schedule="synchronous", family=family)
     key_data = keys.key_data(jax.random.key(3))
     state = d._init(key_data, "user_key", clients)
     return d, key_data, state
@@ -138,18 +144,27 @@ def shard_inputs(d, key_data, clients, k_max, s_max):
     return arrays, mask, cs
 
 
+FULL_RANK_CASES = ["local_averaging (3 hashed shards)", "virtual_clients (one record each)"]
+
+
 @pytest.mark.slow
 @pytest.mark.parametrize("relation", RELATIONS)
-@pytest.mark.parametrize("case", list(SHARD_CASES))
-def test_shard_release_over_two_rounds(case, relation):
+@pytest.mark.parametrize("case,family", [(c, "mean_field") for c in SHARD_CASES]
+                         + [(c, "full_rank") for c in FULL_RANK_CASES])
+def test_shard_release_over_two_rounds(case, family, relation):
     """``S_m = sum_k clip(Delta_k)`` in round 1 from the prior, and in round 2 from a common public q
     with each world's private state advanced by its own round 1 (the hidden state must not carry the
-    difference beyond the bound). C = 0.05 with Adam: the setting in which the old shards moved 5C."""
+    difference beyond the bound). C = 0.05 with Adam: the setting in which the old shards moved 5C.
+    Full-rank factors (issue 22): the same bound on the joint norm with the whole ``[D, D]`` change of
+    ``eta2`` (Frobenius), the norm the symmetric noise is calibrated to; round 2 starts from a ``q``
+    with a correlation."""
     method, shards = SHARD_CASES[case]
     client = client_data(20)
-    d, key_data, _ = shard_driver(method, shards, [client], relation=relation)
-    q0 = d.adapter.prior
+    d, key_data, _ = shard_driver(method, shards, [client], relation=relation, family=family)
+    q0 = factors.as_family(d.adapter.prior, family)
     q1 = factors.Gaussian(jnp.array([0.4, -0.3]), jnp.array([-1.5, -2.0]))
+    if family == "full_rank":
+        q1 = factors.Gaussian(q1.eta1, jnp.array([[-1.5, 0.4], [0.4, -2.0]]))
     kind = d.plan.sensitivity_kind
     bound = sensitivity(CLIP, relation_of(relation), kind)
     assert kind == ("sum_of_records" if shards == ROWS else "shard_update")
@@ -201,15 +216,17 @@ def test_one_record_moves_one_shard_whatever_the_relation(case, relation):
 
 @pytest.mark.slow
 @pytest.mark.parametrize("relation", RELATIONS)
-@pytest.mark.parametrize("method", ["local_averaging", "virtual_clients"])
-def test_trusted_aggregate(method, relation):
+@pytest.mark.parametrize("method,family", [("local_averaging", "mean_field"), ("virtual_clients", "mean_field"),
+                                           ("local_averaging", "full_rank")])
+def test_trusted_aggregate(method, family, relation):
     """The aggregate the server sees, noise-free: client 0 (3 hashed shards: local averaging enters
     with weight 1/3, the other client's 2 shards with 1/2) changes by one record. Bound: weight x 2C."""
     clients = [client_data(20), client_data(16, 1)]
     d = dppvi.DPPVI(logistic, method=method, shards=lambda n: 3 if n != 16 else 2, trusted_aggregator=True,
                     schedule="synchronous", privacy=Privacy(noise_multiplier=1.0, clip=CLIP,
                                                             neighbouring=relation_of(relation)), local_steps=3,
-                    num_samples=2, rounds=1, optimizer=optax.adam(5e-2))
+                    num_samples=2, rounds=1, family=family,
+                    optimizer=Newton() if family == "full_rank" else optax.adam(5e-2))
     key_data = keys.key_data(jax.random.key(3))
     state = d._init(key_data, "user_key", clients)
     weight = 1.0 / 3 if method == "local_averaging" else 1.0
@@ -235,7 +252,8 @@ def test_trusted_aggregate(method, relation):
 # --------------------------------------------------------------------------- client-level DP
 
 @pytest.mark.parametrize("relation", ["add", "remove", "replace"])
-def test_client_level_aggregate(relation):
+@pytest.mark.parametrize("family", ["mean_field", "full_rank"])
+def test_client_level_aggregate(family, relation):
     """One client's whole data added, removed or replaced (the unit is a client): the noise-free
     aggregate moves by at most C (add/remove) or 2C (replace). Every client is sampled (rate 1).
 
@@ -250,7 +268,7 @@ def test_client_level_aggregate(relation):
     def aggregate(client_set):
         d = dppvi.DPPVI(logistic, method="pvi", privacy_unit="client", client_rate=1.0, privacy=privacy,
                         schedule="synchronous", local_steps=5, num_samples=2, rounds=1, invalid="floor",
-                        precision_floor=1e-9)
+                        precision_floor=1e-9, family=family)
         state = d._init(keys.key_data(jax.random.key(3)), "user_key", client_set)
         limits = jnp.full(len(client_set), 10, jnp.int32)
         new, _ = server.client_level(d.rule, 1.0, state, d.data, d.mask, d.sizes, jax.random.key(4), limits,
