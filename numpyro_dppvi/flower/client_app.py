@@ -40,6 +40,7 @@ from flwr.clientapp import ClientApp
 
 from .. import factors
 from ..factors import Gaussian
+from ..pvi.update_perturbation import release_coordinates
 from . import client_store, local_update
 from .client_store import ClientState
 from .schema import (Identity, Instruction, Reply, decode_hello, decode_instruction, encode_identity,
@@ -116,7 +117,7 @@ def take_step(node: NodeSettings, state: ClientState, instruction: Instruction, 
     """One local update under the protocol of the module docstring; returns the reply to send."""
     i = instruction
     fit = state.fit if state.fit is not None and state.fit["fit_id"] == i.fit_id else None
-    zero = Gaussian(*(np.zeros(np.shape(i.q.eta1), np.float32) for _ in range(2)))
+    zero = Gaussian(*(np.zeros(np.shape(x), np.float32) for x in i.q))
 
     def refuse(reason: str, detail: str) -> Reply:
         ledger = None if state.ledger is None else state.ledger.to_dict()
@@ -196,6 +197,15 @@ def refusal_without_data(node: NodeSettings, fit: dict | None, i: Instruction,
                           "allow-non-private=true for method='pvi')")
     if fit is not None and (fit["method"], fit["model"], fit["settings"]) != (i.method, i.model, i.settings.to_json()):
         return "settings", "a fit's method, model and local settings are fixed at its first step"
+    try:
+        i.settings.check_method(i.method)
+    except SettingsError as exc:
+        return "settings", str(exc)
+    dim = int(np.shape(i.q.eta1)[-1])
+    shape = (dim, dim) if i.settings.family == "full_rank" else (dim,)
+    if any(tuple(np.shape(g.eta2)) != shape or tuple(np.shape(g.eta1)) != (dim,) for g in (i.q, i.t_m)):
+        return "settings", (f"q and t_m must be {i.settings.family} Gaussians (eta1 [{dim}], eta2 {list(shape)}), "
+                            f"got eta2 {list(np.shape(i.q.eta2))} and {list(np.shape(i.t_m.eta2))}")
     if seconds_left <= 0:
         return "expired", "the message expired before the client started"
     if not bool(factors.is_proper(factors.divide(i.q, i.t_m))):
@@ -216,7 +226,8 @@ def budget_check(node: NodeSettings, state: ClientState, fit: dict | None, i: In
     ledger = state.ledger_for(node)
     if 0 in ledger.stopped:
         return None, f"the node's budget epsilon={node.epsilon} is spent", True
-    dimension = 2 * int(np.shape(i.q.eta1)[-1])  # noise coordinates of one release: (loc, log_scale)
+    # noise coordinates of one release: the gradient of (loc, log_scale), or of a full-rank q's (loc, L)
+    dimension = release_coordinates(int(np.shape(i.q.eta1)[-1]), i.settings.family)
     try:
         plan = (local_update.calibrated_plan(node, i.settings, state.num_rows, dimension, ledger.events(0))
                 if fit is None or fit["noise_multiplier"] is None else

@@ -109,7 +109,7 @@ class Coordinator:
         record = self.client(i.client_id)
         if record is None:
             dim = self.adapter.dim
-            zero = Gaussian(np.zeros(dim, np.float32), np.zeros(dim, np.float32))
+            zero = Gaussian(*(np.asarray(x) for x in factors.zeros(dim, np.float32, self.settings.family)))
             record = ClientRecord(i.client_id, len(self.clients), node_id, i.num_rows, zero)
             self.clients.append(record)
         record.node_id = node_id
@@ -125,7 +125,8 @@ class Coordinator:
             raise ValueError(f"model {self.model_ref} has priors that are not Normal on a real site; "
                              "numpyro_dppvi.flower needs Normal priors (reparametrise the others)")
         if self.q is None:
-            self.q = Gaussian(*(np.asarray(x, np.float32) for x in self.adapter.prior))
+            self.q = Gaussian(*(np.asarray(x, np.float32) for x in factors.as_family(self.adapter.prior,
+                                                                                     self.settings.family)))
 
     def active(self) -> list[ClientRecord]:
         return [c for c in self.clients if not c.stopped]

@@ -37,7 +37,8 @@ from ..privacy import Privacy
 from ..privacy.ledger import extra_mass
 from ..privacy.noise import float32_at_least
 from ..pvi.fit import model_adapter
-from ..optim import cvi
+from ..optim import Newton, cvi
+from ..pvi.full_rank import NonPrivateFullRank
 from ..pvi.local import DPOptimisation, NonPrivate
 from ..pvi.privacy_plan import PrivacyPlan, dp_sgd_plan
 from .settings import LocalSettings, NodeSettings, SettingsError
@@ -100,6 +101,8 @@ def optimizer(name: str, learning_rate: float) -> optax.GradientTransformation:
     """One optax object per setting, so equal rules share their compiled programs."""
     if name == "cvi":  # learning_rate: Adam's on the means (in posterior sds); the precision step is 0.5
         return cvi(mean_optimizer=optax.adam(learning_rate))
+    if name == "newton":  # full-rank non-private PVI: learning_rate is the precision step
+        return Newton(precision_step=learning_rate)
     return {"adam": optax.adam, "sgd": optax.sgd}[name](learning_rate)
 
 
@@ -140,14 +143,16 @@ def make_rule(method: str, adapter: ModelAdapter, settings: LocalSettings, plan:
     """The local rule ``DPPVI._setup`` builds for ``method`` with these settings."""
     opt = optimizer(settings.optimizer, float(settings.learning_rate))
     a = adapter
+    settings.check_method(method)
     if method == "dp_optimisation":
         p = plan.privacy
         return DPOptimisation(a.log_lik_rows, a.dim, opt, settings.local_steps, settings.batch_size,
                               settings.num_samples, log_lik_row=a.log_lik_row_blocks, clip=p.clip,
                               sampling=p.sampling, max_batch=plan.max_batch, blocks=a.site_sizes, chunk=plan.chunk,
-                              average=settings.tail_average)
-    return NonPrivate(a.log_lik_rows, a.dim, opt, settings.local_steps, settings.batch_size, settings.num_samples,
-                      average=settings.tail_average)
+                              average=settings.tail_average, family=settings.family)
+    cls = NonPrivateFullRank if settings.family == "full_rank" else NonPrivate
+    return cls(a.log_lik_rows, a.dim, opt, settings.local_steps, settings.batch_size, settings.num_samples,
+               average=settings.tail_average)
 
 
 def initial_rule_state(rule, plan: PrivacyPlan | None, arrays, mask, key):

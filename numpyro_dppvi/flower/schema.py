@@ -42,7 +42,7 @@ from flwr.app import Array, ArrayRecord, ConfigRecord, MetricRecord, RecordDict
 from ..factors import Gaussian
 from .settings import LocalSettings
 
-SCHEMA_VERSION = "numpyro_dppvi.flower/2"  # 2: LocalSettings.tail_average
+SCHEMA_VERSION = "numpyro_dppvi.flower/3"  # 2: LocalSettings.tail_average; 3: LocalSettings.family ([D, D] eta2)
 #: Message types: one local update; the introduction that maps a Flower node to a client.
 TRAIN = "train"
 HELLO = "query.hello"

@@ -34,7 +34,7 @@ RUN_CONFIG_DEFAULTS = {
     "schedule": "synchronous", "rounds": 3, "local-steps": 10, "batch-size": 100, "num-samples": 10,
     "optimizer": "adam", "learning-rate": 0.01, "damping": 0.5, "clip": 1.0, "round-timeout": 120.0,
     "poll-interval": 0.2, "min-clients": 1, "wait-for-clients": 60.0, "results-dir": "", "checkpoint": "",
-    "checkpoint-key-file": "", "fit-id": "", "tail-average": 0.0,
+    "checkpoint-key-file": "", "fit-id": "", "tail-average": 0.0, "family": "mean_field",
 }
 
 
@@ -71,7 +71,8 @@ class ServerSettings:
                               num_samples=int(config["num-samples"]), optimizer=str(config["optimizer"]),
                               learning_rate=float(config["learning-rate"]), damping=float(config["damping"]),
                               clip=float(config["clip"]), planned_rounds=int(config["rounds"]),
-                              tail_average=float(config["tail-average"]))
+                              tail_average=float(config["tail-average"]), family=str(config["family"]))
+        local.check_method(str(config["method"]))
         path = lambda key: Path(str(config[key])) if str(config[key]).strip() else None
         return cls(str(config["model"]), str(config["method"]), str(config["schedule"]), int(config["rounds"]), local,
                    float(config["round-timeout"]), float(config["poll-interval"]), int(config["min-clients"]),

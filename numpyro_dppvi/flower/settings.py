@@ -24,7 +24,9 @@ from pathlib import Path
 #: Methods a ClientApp runs: DP-SGD in the local step, and plain PVI (only where the node allows it).
 PRIVATE_METHODS = ("dp_optimisation",)
 METHODS = ("pvi",) + PRIVATE_METHODS
-OPTIMIZERS = ("adam", "sgd", "cvi")
+OPTIMIZERS = ("adam", "sgd", "cvi", "newton")
+#: Gaussian families of q (``DPPVI(family=...)``); ``"newton"`` is the local step of full-rank non-private PVI.
+FAMILIES = ("mean_field", "full_rank")
 #: Environment variable a node must set before ``unsafe-test-fit-key`` is honoured (tests only).
 TEST_KEYS_ENV = "NUMPYRO_DPPVI_FLOWER_TEST_KEYS"
 
@@ -50,6 +52,7 @@ class LocalSettings:
     clip: float = 1.0
     planned_rounds: int = 10
     tail_average: float = 0.0
+    family: str = "mean_field"
 
     def __post_init__(self):
         for name in ("local_steps", "num_samples", "planned_rounds"):
@@ -64,6 +67,24 @@ class LocalSettings:
             raise SettingsError(f"damping must be in (0, 1], got {self.damping}")
         if not 0.0 <= float(self.tail_average) < 1.0:
             raise SettingsError(f"tail-average must be in [0, 1), got {self.tail_average}")
+        if self.family not in FAMILIES:
+            raise SettingsError(f"family={self.family!r} is not known; use one of {FAMILIES}")
+        if self.optimizer == "newton" and not 0.0 < self.learning_rate <= 0.5:
+            raise SettingsError(f"optimizer='newton' takes learning-rate as its precision step, in (0, 0.5]; got "
+                                f"{self.learning_rate}")
+
+    def check_method(self, method: str) -> None:
+        """The settings' optimiser and family fit ``method`` (as :class:`~numpyro_dppvi.pvi.fit.DPPVI` requires):
+        non-private full-rank PVI takes Newton steps, DP optimisation an optax optimiser, mean-field never Newton."""
+        if method == "dp_optimisation" and self.optimizer == "newton":
+            raise SettingsError("method='dp_optimisation' takes optimizer 'adam', 'sgd' or 'cvi' (Newton steps need "
+                                "the Hessians of the data, which DP-SGD does not release)")
+        if method == "pvi" and self.family == "full_rank" and self.optimizer != "newton":
+            raise SettingsError("family='full_rank' with method='pvi' takes optimizer='newton' (learning-rate: its "
+                                "precision step, e.g. 0.5)")
+        if self.family == "mean_field" and self.optimizer == "newton":
+            raise SettingsError("optimizer='newton' is the local step of family='full_rank'; set family='full_rank' "
+                                "or another optimizer")
 
     def to_json(self) -> str:
         return json.dumps(dataclasses.asdict(self), sort_keys=True)

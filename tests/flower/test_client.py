@@ -102,6 +102,20 @@ def test_what_the_node_did_not_agree_to_is_refused_without_reading_data(clients,
     assert client_store.load(NodeSettings.from_node_config(config)).ledger.num_releases(0) == SETTINGS.local_steps
 
 
+def test_a_q_of_another_family_than_the_settings_is_refused_without_reading_data(clients, tmp_path):
+    """Schema 3: the settings name the family; a mean-field ``q`` under ``family="full_rank"`` (or the reverse) is
+    refused before the data are read, as are settings whose optimiser does not fit the method."""
+    config = node_config(tmp_path, 0, clients[0])
+    grid = InProcessGrid(app, [config])
+    os.remove(config["data-file"])
+    full = LocalSettings(**{**SETTINGS.__dict__, "family": "full_rank"})
+    reply = send(grid, FIRST_NODE_ID, instruction(settings=full))
+    assert (reply.status, reply.reason) == ("refused", "settings") and "eta2" in reply.detail
+    newton = LocalSettings(**{**SETTINGS.__dict__, "family": "full_rank", "optimizer": "newton", "learning_rate": 0.5})
+    reply = send(grid, FIRST_NODE_ID, instruction(settings=newton))
+    assert (reply.status, reply.reason) == ("refused", "settings") and "Hessians" in reply.detail
+
+
 def test_an_improper_cavity_is_refused(clients, tmp_path):
     grid = InProcessGrid(app, [node_config(tmp_path, 0, clients[0])])
     bad = instruction()

@@ -51,3 +51,32 @@ def test_inprocess_grid_reproduces_fit_dppvi(method, schedule, clients, tmp_path
         for m in range(len(clients)):  # each client's own ledger on its own disk says the same
             own = dppvi.PrivacyLedger.from_dict(deployed.config["client_ledgers"][f"client-{m}"])
             assert own.events(0) == simulated.privacy.events(m)
+
+
+@pytest.mark.parametrize("method", ["pvi", "dp_optimisation"])
+def test_inprocess_grid_reproduces_a_full_rank_fit(method, clients, tmp_path, monkeypatch):
+    """``family="full_rank"`` (schema 3): the instructions carry ``[D, D]`` precision matrices, non-private PVI
+    takes Newton steps (``optimizer="newton"``, learning-rate its precision step), DP optimisation moves the
+    mean and the Cholesky factor of the covariance; the deployed fit gives the simulated one's ``q`` and ledgers."""
+    monkeypatch.setenv(TEST_KEYS_ENV, "1")
+    key = jax.random.key(8)
+    private = method == "dp_optimisation"
+    privacy = dppvi.Privacy(epsilon=2.0, delta=1e-5, clip=1.0) if private else None
+    simulated = dppvi.fit_dppvi(logistic_regression, clients, method=method, schedule="synchronous", rounds=2,
+                                local_steps=5, batch_size=16, optimizer=optax.adam(0.01) if private else None,
+                                damping=0.5, rng_key=key, privacy=privacy, family="full_rank",
+                                tail_average=0.5 if not private else 0.0)
+    key_hex = np.asarray(jax.random.key_data(key), np.uint32).tobytes().hex()
+    nodes = [node_config(tmp_path, m, c, method, **{"unsafe-test-fit-key": key_hex, "unsafe-test-client-index": m})
+             for m, c in enumerate(clients)]
+    settings = {"family": "full_rank", "tail-average": 0.0 if private else 0.5}
+    if not private:
+        settings.update({"optimizer": "newton", "learning-rate": 0.5})
+    deployed = run_inprocess(run_config(method, "synchronous", **settings), nodes)
+    assert deployed.family == "full_rank" and np.shape(deployed.q.eta2) == np.shape(simulated.q.eta2)
+    for name in ("eta1", "eta2"):
+        difference = np.max(np.abs(getattr(simulated.q, name) - getattr(deployed.q, name)))
+        assert difference <= TOLERANCE, (name, difference)
+    if private:
+        assert deployed.privacy == simulated.privacy
+        np.testing.assert_allclose(deployed.privacy.epsilon_per_client, simulated.privacy.epsilon_per_client)

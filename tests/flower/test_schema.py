@@ -89,3 +89,11 @@ def test_local_settings_reject_unknown_and_invalid_values():
         LocalSettings(damping=1.5)
     with pytest.raises(SettingsError, match="optimizer"):
         LocalSettings(optimizer="lbfgs")
+    with pytest.raises(SettingsError, match="family"):
+        LocalSettings(family="low_rank")
+    with pytest.raises(SettingsError, match="precision step"):
+        LocalSettings(family="full_rank", optimizer="newton", learning_rate=1.0)
+    with pytest.raises(SettingsError, match="optimizer='newton'"):
+        LocalSettings(family="full_rank").check_method("pvi")
+    with pytest.raises(SettingsError, match="family='full_rank'"):
+        LocalSettings(optimizer="newton", learning_rate=0.5).check_method("pvi")
