@@ -25,6 +25,8 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
+from .privacy.noise import _x64
+
 
 FAMILIES = ("mean_field", "full_rank")
 
@@ -157,12 +159,22 @@ def to_params(g: Gaussian) -> dict:
     (:func:`scale_tril`): ``2 D`` and ``D (D + 3) / 2`` coordinates, unconstrained."""
     if not is_full_rank(g):
         return to_loc_log_scale(g)
-    mean, precision = mean_and_precision(g)
-    dim = mean.shape[-1]
-    lower = jnp.linalg.cholesky(jnp.linalg.inv(precision))
-    rows, cols = jnp.tril_indices(dim, -1)
-    return {"loc": mean, "log_diag": jnp.log(jnp.diagonal(lower, axis1=-2, axis2=-1)),
-            "offdiag": lower[..., rows, cols]}
+    dtype = g.eta1.dtype
+    dim = g.eta1.shape[-1]
+    with _x64():  # no explicit inverse, and float64: a precision of condition 1e7 round-trips to ~1e-9
+        precision = -2.0 * g.eta2.astype(jnp.float64)
+        precision = 0.5 * (precision + jnp.swapaxes(precision, -1, -2))
+        mean = jnp.linalg.solve(precision, g.eta1.astype(jnp.float64)[..., None])[..., 0]
+        # Sigma = Lambda^{-1} = L L^T with L lower: with J the reversal, J Lambda J = R R^T (R lower) gives
+        # Lambda^{-1} = (J R^{-T} J)(J R^{-T} J)^T, and J R^{-T} J is lower-triangular
+        flip = lambda m: jnp.flip(m, axis=(-2, -1))
+        r = jnp.linalg.cholesky(flip(precision))
+        r_inv = jax.scipy.linalg.solve_triangular(r, jnp.eye(dim, dtype=jnp.float64), lower=True)
+        lower = flip(jnp.swapaxes(r_inv, -1, -2))
+        rows, cols = jnp.tril_indices(dim, -1)
+        params = {"loc": mean, "log_diag": jnp.log(jnp.diagonal(lower, axis1=-2, axis2=-1)),
+                  "offdiag": lower[..., rows, cols]}
+        return {k: v.astype(dtype) for k, v in params.items()}
 
 
 def from_params(params: dict) -> Gaussian:

@@ -97,6 +97,9 @@ def cvi(precision_step: float = 0.5, mean_optimizer: optax.GradientTransformatio
     mean_optimizer = optax.adam(0.1) if mean_optimizer is None else mean_optimizer
 
     def init(params):
+        if "log_scale" not in params:
+            raise ValueError("optim.cvi takes the (loc, log_scale) of a mean-field q; a full-rank q "
+                             "(family='full_rank') under DP optimisation takes an optax optimizer such as optax.adam")
         return CVIState(jnp.exp(params["log_scale"]), mean_optimizer.init(params["loc"]))
 
     def update(grads, state, params=None, *, objective_scale=1.0, **extra):

@@ -268,6 +268,35 @@ def test_full_rank_parameter_perturbation_audit(bug):
               record_level_claim(UPDATE_SIGMA), expect_exceeds=True)
 
 
+def off_diagonal_pair(d):
+    """A substitution that moves only the off-diagonal of ``eta2``: the planted row becomes ``x = (1, 1) / sqrt 2``
+    in one data set and ``(1, -1) / sqrt 2`` in the other, ``y = 0`` in both. A Gaussian likelihood adds
+    ``x x^T`` to the precision: the two differ by ``+-1`` off the diagonal and agree elsewhere (the means stay
+    at 0, so ``eta1`` does not move either)."""
+    x, y = (a[0] for a in d.data)
+    where = tuple(int(i[0]) for i in np.nonzero(np.asarray(x[..., 0]) == 1.0))
+    r = float(1 / np.sqrt(2))
+    return tuple((x.at[where].set(jnp.asarray(row, x.dtype)), y.at[where].set(0.0)) for row in ([r, r], [r, -r]))
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("bug", ["none", "eta2 noise / 10"])
+def test_full_rank_parameter_perturbation_audit_off_the_diagonal(bug, monkeypatch):
+    """The full-rank release where only the off-diagonal of ``eta2`` tells the neighbours apart: the symmetric
+    noise there (std ``sigma C / sqrt 2``, the isometric coordinates of the Frobenius clip) must hide them, and
+    ``eta2``'s noise cut tenfold must show (the ``eta1``-only audit above cannot see ``eta2``'s noise)."""
+    from numpyro_dppvi.pvi import update_perturbation
+
+    d, state, claim = update_setup("parameter_perturbation", None, noise_multiplier=UPDATE_SIGMA, family="full_rank")
+    if bug != "none":
+        honest = update_perturbation.add_frobenius_symmetric_noise
+        monkeypatch.setattr(update_perturbation, "add_frobenius_symmetric_noise",
+                            lambda key, matrix, std: honest(key, matrix, std / 10))
+    result = audit(update_mechanism(d, state), *off_diagonal_pair(d), jax.random.key(22), DELTA, num_runs=RUNS)
+    check("parameter_perturbation", f"full-rank off-diagonal, bug: {bug}", result, claim,
+          expect_exceeds=bug != "none")
+
+
 @pytest.mark.slow
 @pytest.mark.parametrize("bug", ["none", "noise / 10"])
 def test_local_averaging_audit(bug):

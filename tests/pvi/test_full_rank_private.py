@@ -22,7 +22,7 @@ import numpyro_dppvi as dppvi
 from numpyro_dppvi import factors, objectives
 from numpyro_dppvi.optim import Newton
 from numpyro_dppvi.factors import Gaussian
-from numpyro_dppvi.pvi.update_perturbation import apply_invalid_rule, release_coordinates
+from numpyro_dppvi.pvi.update_perturbation import apply_invalid_rule, release_change
 
 from .numpyro_models import correlated_data, linear, linear_exact, split
 from .test_full_rank import gaussian_kl, q_moments
@@ -57,19 +57,30 @@ def test_private_full_rank_reaches_the_exact_posterior_when_the_noise_is_negligi
 
 
 @pytest.mark.filterwarnings("ignore::numpyro_dppvi.diagnostics.NoiseWarning")  # 25 rows a client at epsilon 8
-def test_a_noisy_full_rank_release_is_symmetric_and_accounts_every_coordinate():
-    """Real noise (epsilon 8): ``q``'s precision stays exactly symmetric, and each release's event has
-    ``D + D (D + 1) / 2`` noise coordinates (``eta1`` and the upper triangle of ``eta2``), each charged the
-    sampler's tail mass."""
+def test_the_ledger_charges_as_many_noise_coordinates_as_a_release_has():
+    """The noise a full-rank release adds (``release_change`` on a zero change, 20000 draws) lives in exactly as
+    many independent coordinates as each event of the fit's ledger charges, each ``N(0, std^2)`` in the
+    coordinates ``(eta1, eta2_ii, sqrt(2) eta2_ij)``: the rank of its covariance over every entry of ``eta1`` and
+    ``eta2`` (mirrored ones included) is the event's ``dimension``, so no entry carries noise the ledger does
+    not charge. A fit with real noise (epsilon 8) keeps ``q``'s precision exactly symmetric. 20000 draws: the
+    se of a variance is ``var sqrt(2 / n)`` (5 se allowed)."""
     data = correlated_data()
     fit = dppvi.DPPVI(linear, method="local_averaging", shards=2, family="full_rank", rounds=3,
                       privacy=dppvi.Privacy(epsilon=8.0, delta=1e-5, clip=5.0))
     result = fit.run(None, split(data), 3)
-    dim = data[0].shape[1]
-    assert fit.plan.dimension == release_coordinates(dim, "full_rank") == dim + dim * (dim + 1) // 2
-    eta2 = np.asarray(result.q.eta2)
-    np.testing.assert_array_equal(eta2, eta2.T)
-    assert result.privacy.epsilon <= 8.0
+    np.testing.assert_array_equal(np.asarray(result.q.eta2), np.asarray(result.q.eta2).T)
+    charged = {event.dimension for event in result.privacy.events(0)}
+    dim, std, n = data[0].shape[1], 0.7, 20000
+    zero = factors.zeros(dim, family="full_rank")
+    noise = jax.vmap(lambda k: release_change(k, zero, std))(jax.random.split(jax.random.key(1), n))
+    flat = np.concatenate([np.asarray(noise.eta1, np.float64), np.asarray(noise.eta2, np.float64).reshape(n, -1)], 1)
+    eigenvalues = np.linalg.eigvalsh(np.cov(flat.T))
+    assert charged == {int(np.sum(eigenvalues > 1e-3 * std ** 2))}
+    rows, cols = np.triu_indices(dim, 1)
+    coordinates = np.concatenate([flat[:, :dim], np.asarray(noise.eta2)[:, range(dim), range(dim)],
+                                  np.sqrt(2) * np.asarray(noise.eta2, np.float64)[:, rows, cols]], 1)
+    assert coordinates.shape[1] in charged
+    assert np.all(np.abs(coordinates.var(0) - std ** 2) < 5 * std ** 2 * np.sqrt(2 / n))
 
 
 def test_the_floor_rule_raises_the_precision_spectrum_and_is_counted():
