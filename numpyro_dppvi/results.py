@@ -12,6 +12,7 @@ unconstrained vector; constrained samples are ``T(u)`` with ``T = biject_to(site
 
 from __future__ import annotations
 
+import secrets
 from typing import Sequence
 
 import jax
@@ -29,6 +30,13 @@ from .model import ModelAdapter
 from .privacy.ledger import NotPrivate, PrivacyLedger
 
 RESULT_FORMAT = "numpyro_dppvi.DPPVIResult/2"
+
+
+def resolve_key(rng_key) -> jax.Array:
+    """``rng_key``, or when it is None a fresh key from the operating system's entropy: draws without a key
+    are new on every call, as those of an unseeded ``numpy.random.default_rng()``; pass a key to reproduce
+    them."""
+    return jax.random.key(secrets.randbits(63)) if rng_key is None else rng_key
 
 
 class Result:
@@ -85,8 +93,7 @@ class Result:
 
         Pass the model's data arguments without the observations (e.g. ``predict(x_test)``).
         """
-        rng_key = jax.random.key(2) if rng_key is None else rng_key
-        k_post, k_pred = jax.random.split(rng_key)
+        k_post, k_pred = jax.random.split(resolve_key(rng_key))
         predictive = Predictive(self.predictive_model(), posterior_samples=self.sample(num_samples, k_post),
                                 return_sites=list(return_sites) if return_sites else None)
         return {k: np.asarray(v) for k, v in predictive(k_pred, *data, **kwargs).items()}
@@ -94,8 +101,7 @@ class Result:
     def pointwise_log_likelihood(self, *data, num_samples: int = 100, rng_key=None) -> np.ndarray:
         """``log p(x_i | theta_s)`` for ``num_samples`` posterior draws and the rows of ``data``:
         ``[num_samples, n]`` (the observed sites of a row summed)."""
-        rng_key = jax.random.key(3) if rng_key is None else rng_key
-        per_site = log_likelihood(self.predictive_model(), self.sample(num_samples, rng_key), *data)
+        per_site = log_likelihood(self.predictive_model(), self.sample(num_samples, resolve_key(rng_key)), *data)
         return np.asarray(sum(jnp.reshape(v, (v.shape[0], v.shape[1], -1)).sum(-1) for v in per_site.values()))
 
     def log_predictive_density(self, *data, num_samples: int = 100, rng_key=None) -> np.ndarray:
@@ -103,20 +109,53 @@ class Result:
         ll = self.pointwise_log_likelihood(*data, num_samples=num_samples, rng_key=rng_key)
         return np.asarray(logsumexp(ll, axis=0) - np.log(ll.shape[0]))
 
-    def to_arviz(self, num_samples: int = 1000, rng_key=None, eval_data: Sequence | None = None):
-        """ArviZ data (``InferenceData``; a ``DataTree`` with ArviZ 1.x) with a ``posterior`` group (site
-        names and shapes, one chain) and, given ``eval_data``, a ``log_likelihood`` group per row."""
-        rng_key = jax.random.key(4) if rng_key is None else rng_key
-        groups = {"posterior": {k: v[None] for k, v in self.sample(num_samples, rng_key).items()}}
+    def to_arviz(self, num_samples: int = 1000, rng_key=None, eval_data: Sequence | None = None,
+                 num_chains: int = 4):
+        """ArviZ data (``InferenceData``; a ``DataTree`` with ArviZ 1.x).
+
+        * ``posterior``: ``num_samples`` independent draws of ``q`` (site names and shapes) split into
+          ``num_chains`` chains of ``num_samples / num_chains``. ArviZ's ``r_hat`` and ``ess`` are then the
+          Monte Carlo diagnostics of independent draws (``r_hat`` about 1, ``ess`` about ``num_samples``):
+          they say how precisely the draws give ``q``'s summaries, **not** whether the fit converged or
+          ``q`` is close to the posterior (the fit's ``convergence`` and ``history`` say the former;
+          ``benchmarks/fidelity.py`` and ``benchmarks/coverage.py`` measure the latter).
+        * given ``eval_data`` (the model's arguments with the observations): ``log_likelihood`` (one value
+          per row and draw, for ``az.loo`` / ``az.compare``) and ``observed_data``.
+
+        ``rng_key=None`` draws fresh randomness (:func:`resolve_key`)."""
+        if int(num_chains) != num_chains or num_chains < 1 or num_samples % num_chains:
+            raise ValueError(f"to_arviz: num_samples ({num_samples}) must be a positive multiple of num_chains "
+                             f"({num_chains}); e.g. num_samples={max(num_chains, num_samples - num_samples % num_chains)}")
+        chains = lambda v: np.reshape(np.asarray(v), (num_chains, num_samples // num_chains) + np.shape(v)[1:])
+        rng_key = resolve_key(rng_key)
+        groups = {"posterior": {k: chains(v) for k, v in self.sample(num_samples, rng_key).items()}}
         if eval_data is not None:
             ll = self.pointwise_log_likelihood(*eval_data, num_samples=num_samples, rng_key=rng_key)
-            groups["log_likelihood"] = {self.observed_name: np.asarray(ll)[None]}
+            groups["log_likelihood"] = {self.observed_name: chains(ll)}
+            groups["observed_data"] = self.observed_values(eval_data)
         return from_groups(groups)
 
     observed_name = "y"
 
+    def observed_values(self, eval_data: Sequence) -> dict:
+        """ArviZ's ``observed_data``: the observations in ``eval_data`` under :attr:`observed_name` (the name
+        of the ``log_likelihood`` group): the model's observed sites traced on ``eval_data``, their rows
+        side by side when there are several."""
+        import numpyro
+
+        trace = numpyro.handlers.trace(numpyro.handlers.seed(self.predictive_model(), 0)).get_trace(*eval_data)
+        observed = [np.asarray(site["value"]) for site in trace.values()
+                    if site["type"] == "sample" and site.get("is_observed")]
+        if not observed:
+            return {}
+        rows = observed[0].shape[0]
+        flat = [np.reshape(v, (rows, -1)) if v.ndim != 1 else v for v in observed]
+        return {self.observed_name: flat[0] if len(flat) == 1 else np.concatenate(
+            [np.reshape(v, (rows, -1)) for v in flat], axis=1)}
+
     def summary(self, num_samples: int = 1000, rng_key=None, **kwargs):
-        """``arviz.summary`` of :meth:`to_arviz` (one chain: no R-hat); the statistics only by default."""
+        """``arviz.summary`` of :meth:`to_arviz`; the statistics only by default (``kind="all"`` adds
+        ``r_hat`` and ``ess``, the Monte Carlo diagnostics of the independent draws, see :meth:`to_arviz`)."""
         import arviz as az  # ArviZ is imported on use: it is slow to import
 
         kwargs.setdefault("kind", "stats")
@@ -210,9 +249,9 @@ class DPPVIResult(Result):
         return factors.draws(self.q, jax.random.normal(rng_key, (int(num_samples),) + self.q.eta1.shape))
 
     def sample(self, num_samples: int = 1000, rng_key=None) -> dict:
-        """Constrained posterior samples ``{site: [num_samples, *shape]}`` (post-processing of ``q``)."""
-        rng_key = jax.random.key(1) if rng_key is None else rng_key
-        u = self._draws(num_samples, rng_key)
+        """Constrained posterior samples ``{site: [num_samples, *shape]}`` (post-processing of ``q``);
+        ``rng_key=None``: fresh draws on every call (:func:`resolve_key`)."""
+        u = self._draws(num_samples, resolve_key(rng_key))
         return {k: np.asarray(v) for k, v in jax.vmap(self.adapter.constrain)(u).items()}
 
     def predict(self, *data, num_samples: int = 1000, rng_key=None, return_sites: Sequence[str] | None = None,
@@ -226,19 +265,19 @@ class DPPVIResult(Result):
     def pointwise_log_likelihood(self, *data, num_samples: int = 100, rng_key=None) -> np.ndarray:
         """``log p(x_i | theta_s)``: ``[num_samples, n]`` (one compiled program per model)."""
         arrays = self.adapter.validate_data(data, "evaluation data")
-        u = self._draws(num_samples, jax.random.key(3) if rng_key is None else rng_key)
+        u = self._draws(num_samples, resolve_key(rng_key))
         return np.asarray(jax.lax.map(lambda u_s: self.adapter.log_lik_rows(u_s, arrays), u))
 
     def log_predictive_density(self, *data, num_samples: int = 100, rng_key=None) -> np.ndarray:
         """Per-row log predictive density ``log (1/S) sum_s p(x_i | theta_s)``, ``[n]``."""
         arrays = self.adapter.validate_data(data, "evaluation data")
         return log_predictive_density(self.adapter, self.q, arrays,
-                                      jax.random.key(3) if rng_key is None else rng_key, num_samples)
+                                      resolve_key(rng_key), num_samples)
 
     def evaluate(self, *data, num_samples: int = 100, rng_key=None) -> dict:
         """Mean log predictive density (and accuracy for Bernoulli observations) on held-out rows."""
         arrays = self.adapter.validate_data(data, "evaluation data")
-        return evaluate(self.adapter, self.q, arrays, jax.random.key(3) if rng_key is None else rng_key, num_samples)
+        return evaluate(self.adapter, self.q, arrays, resolve_key(rng_key), num_samples)
 
     # -- publishing ----------------------------------------------------------------------------
     def public_meta(self) -> dict:

@@ -6,6 +6,8 @@ Each family fits a tiny model; then: ``sample`` (site names of the model), ``pre
 ``save`` + ``load`` + ``sample`` again (equal draws for the same key), ``privacy.report()``.
 """
 
+import warnings
+
 import arviz as az
 import jax
 import numpy as np
@@ -70,9 +72,18 @@ def test_every_family_answers_the_same_calls(family, tmp_path):
     lpd = result.log_predictive_density(*case["eval_data"], num_samples=30, rng_key=key)
     assert lpd.shape == (7,) and np.all(np.isfinite(lpd))
     idata = result.to_arviz(num_samples=40, rng_key=key, eval_data=case["eval_data"])
-    summary = az.summary(idata, kind="stats")
-    assert len(summary) >= 2 and np.all(np.isfinite(summary["mean"].to_numpy(dtype=float)))
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")  # ArviZ warns on one chain (r_hat) and on shapes: none of that
+        summary = az.summary(idata)
+    assert len(summary) >= 2 and np.all(np.isfinite(summary.to_numpy(dtype=float)))
+    # independent draws in 4 chains: r_hat is the Monte Carlo diagnostic of independent draws, about 1 (with
+    # 10 draws a chain its spread is ~0.1; 1.3 would be chains that differ in distribution)
+    assert np.all(summary["r_hat"].to_numpy(dtype=float) < 1.3)
+    assert idata.posterior.sizes["chain"] == 4 and idata.posterior.sizes["draw"] == 10
     assert idata.log_likelihood[result.observed_name].shape[-1] == 7
+    np.testing.assert_array_equal(np.asarray(idata.observed_data[result.observed_name]), case["eval_data"][-1])
+    fresh = [result.sample(5)[sorted(draws)[0]] for _ in range(2)]
+    assert not np.array_equal(fresh[0], fresh[1])  # no key: new draws on every call, never a silent repeat
     assert isinstance(result.history, list) and isinstance(result.history[-1], dict)
     report = result.privacy.report()
     assert ("epsilon" in report) if result.is_private else ("NOT differentially private" in report)
@@ -87,6 +98,18 @@ def test_every_family_answers_the_same_calls(family, tmp_path):
     assert loaded.history == result.history or family == "vips"  # VIPS: floats through JSON, compared below
     if result.is_private:
         assert loaded.privacy == result.privacy
+
+
+def test_loo_on_a_dppvi_result_with_data_and_the_chain_layout_names_the_fix():
+    """``az.loo`` reads the ``log_likelihood`` group of ``to_arviz(eval_data=...)`` (rows of the held-out data);
+    ``num_samples`` must split evenly into ``num_chains``."""
+    result, case = fit_dppvi_family()
+    idata = result.to_arviz(num_samples=400, rng_key=jax.random.key(1), eval_data=(X, Y))
+    loo = az.loo(idata)
+    assert np.isfinite(float(loo["elpd_loo"] if "elpd_loo" in loo else loo.elpd_loo))
+    assert result.to_arviz(num_samples=30, num_chains=1).posterior.sizes["chain"] == 1
+    with pytest.raises(ValueError, match="multiple of num_chains"):
+        result.to_arviz(num_samples=30)
 
 
 def test_load_names_the_missing_model_and_refuses_unknown_files(tmp_path):

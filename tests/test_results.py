@@ -36,8 +36,9 @@ def test_posterior_and_samples_shapes(fitted):
 def test_to_arviz_posterior_group_passes_summary(fitted):
     result, (x, y) = fitted
     idata = result.to_arviz(num_samples=200, eval_data=(x[:20], y[:20]))
-    assert idata.posterior["w"].shape == (1, 200, 2)
-    assert idata.log_likelihood["y"].shape == (1, 200, 20)
+    assert idata.posterior["w"].shape == (4, 50, 2)  # 200 independent draws in 4 chains
+    assert idata.log_likelihood["y"].shape == (4, 50, 20)
+    np.testing.assert_array_equal(np.asarray(idata.observed_data["y"]), y[:20])
     summary = az.summary(idata, var_names=["w", "sigma"], kind="stats")
     assert list(summary.index) == ["w[0]", "w[1]", "sigma"]
     assert np.all(np.isfinite(summary["mean"].to_numpy(dtype=float)))

@@ -17,7 +17,7 @@ from .. import checkpoint
 from ..arviz_compat import from_groups
 from ..cache import cached, shapes
 from ..privacy.ledger import NotPrivate
-from ..results import Result, load
+from ..results import Result, load, resolve_key
 from .client import check_clients
 from .models import AUX_SITE, augmented_model, centralised_model
 from .sites import log_lik_rows, run_program
@@ -84,7 +84,7 @@ class VFLResult(Result):
                                  model: str | None = None) -> np.ndarray:
         """``log p(y_i | x_i, draw s)`` for new rows, ``[num_samples, n]`` (see
         :meth:`log_predictive_density`)."""
-        return np.asarray(self._pointwise(x_new, y_new, jax.random.key(3) if rng_key is None else rng_key,
+        return np.asarray(self._pointwise(x_new, y_new, resolve_key(rng_key),
                                           num_samples, model))
 
     observed_name = "y"
@@ -102,7 +102,7 @@ class VFLResult(Result):
 
         ``include_aux`` adds the training rows' auxiliary ``"<client>/z"`` (``[num_samples, n]``).
         """
-        rng_key = jax.random.key(1) if rng_key is None else rng_key
+        rng_key = resolve_key(rng_key)
         cache = self.__dict__.setdefault("_samplers", {})
         if num_samples not in cache:  # one program per draw count; z is dropped when not asked
             cache[num_samples] = jax.jit(lambda state, key: self._draw(state, key, num_samples))
@@ -126,14 +126,19 @@ class VFLResult(Result):
                 out[f"{party.name}/{AUX_SITE}"] = z
         return out
 
-    def to_arviz(self, num_samples: int = 1000, rng_key=None, eval_data=None, include_aux: bool = False):
-        """ArviZ data with a ``posterior`` group (one chain) of the latent sites (``include_aux``: the
-        training rows' auxiliary ``z_j`` too) and, given ``eval_data=(x_new, y_new)``, a
-        ``log_likelihood`` group."""
+    def to_arviz(self, num_samples: int = 1000, rng_key=None, eval_data=None, include_aux: bool = False,
+                 num_chains: int = 4):
+        """ArviZ data as :meth:`numpyro_dppvi.Result.to_arviz` (independent draws in ``num_chains`` chains) of
+        the latent sites (``include_aux``: the training rows' auxiliary ``z_j`` too, in one chain) and, given
+        ``eval_data=(x_new, y_new)``, ``log_likelihood`` and ``observed_data``."""
         if not include_aux:
-            return super().to_arviz(num_samples, rng_key, eval_data)
+            return super().to_arviz(num_samples, rng_key, eval_data, num_chains)
         draws = self.sample_posterior(rng_key, num_samples, include_aux)
         return from_groups({"posterior": {k: v[None] for k, v in draws.items()}})
+
+    def observed_values(self, eval_data) -> dict:
+        """``{"y": y_new}`` of ``eval_data=(x_new, y_new)``."""
+        return {self.observed_name: np.asarray(eval_data[-1])}
 
     # ----- prediction ------------------------------------------------------------------------
     def _new_clients(self, x_new):
@@ -166,7 +171,7 @@ class VFLResult(Result):
         ``"centralised"`` (default otherwise) uses ``eta = sum_j g_j``. Runs NumPyro's
         ``Predictive`` with draws of ``theta`` and ``gamma`` from ``q``.
         """
-        rng_key = jax.random.key(2) if rng_key is None else rng_key
+        rng_key = resolve_key(rng_key)
         k_post, k_pred = jax.random.split(rng_key)
         predictive = self._predictive(self._predictive_model(x_new, model), k_post, num_samples,
                                       return_sites)
@@ -189,7 +194,7 @@ class VFLResult(Result):
         ``eta = sum_j g_j`` (``"centralised"``). One compiled program, reused across results
         with the same structure (e.g. the folds of a cross-validation).
         """
-        rng_key = jax.random.key(3) if rng_key is None else rng_key
+        rng_key = resolve_key(rng_key)
         per_draw = self._pointwise(x_new, y_new, rng_key, num_samples, model)
         return np.asarray(logsumexp(per_draw, axis=0) - jnp.log(num_samples))
 

@@ -11,7 +11,7 @@ import numpy as np
 
 from numpyro_dppvi import checkpoint
 from numpyro_dppvi.privacy import NotPrivate, PrivacyLedger
-from numpyro_dppvi.results import Result
+from numpyro_dppvi.results import Result, resolve_key
 from numpyro_dppvi.vips.detect import SiteLayout
 from numpyro_dppvi.vips.engine import ConjugateModelBase, is_conjugate_model, model_from_config
 
@@ -88,8 +88,7 @@ class VIPSResult(Result):
     def sample(self, num_samples: int = 1000, rng_key=None) -> dict:
         """Draws from ``q``: ``{name: array [num_samples, ...]}``, the NumPyro model's site names for a
         detected fit, the conjugate model's parameter names otherwise."""
-        rng_key = jax.random.key(0) if rng_key is None else rng_key
-        samples = self.model.sample_posterior(self.params, rng_key, int(num_samples))
+        samples = self.model.sample_posterior(self.params, resolve_key(rng_key), int(num_samples))
         if self.site_map is not None:
             samples = self.site_map(samples)
         return {name: np.asarray(value) for name, value in samples.items()}

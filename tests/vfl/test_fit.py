@@ -98,7 +98,7 @@ def test_result_to_arviz_predict_and_history(linear_gaussian):
     idata = result.to_arviz(num_samples=300, rng_key=jax.random.key(0))
     post = idata.posterior
     assert set(post.data_vars) == {"c0/beta", "c1/beta", "b", "sigma"}
-    assert post["c0/beta"].shape == (1, 300, 2) and post["sigma"].shape == (1, 300)
+    assert post["c0/beta"].shape == (4, 75, 2) and post["sigma"].shape == (4, 75)
     assert float(post["sigma"].min()) > 0
     summary = az.summary(idata, kind="stats")
     assert "c1/beta[1]" in summary.index
@@ -114,7 +114,8 @@ def test_result_to_arviz_predict_and_history(linear_gaussian):
     eta = s["b"].mean() + x[:7, :2] @ s["c0/beta"].mean(0) + x[:7, 2:] @ s["c1/beta"].mean(0)
     # predictive sd per row ~ sqrt(sigma^2 + 2 rho^2) ~ 0.9; 300 draws -> se ~0.05
     np.testing.assert_allclose(pred["y"].mean(0), eta, atol=0.3)
-    lpd = result.log_predictive_density({"c0": x[:7, :2], "c1": x[:7, 2:]}, y[:7], num_samples=300)
+    lpd = result.log_predictive_density({"c0": x[:7, :2], "c1": x[:7, 2:]}, y[:7], num_samples=300,
+                                         rng_key=jax.random.key(3))
     assert lpd.shape == (7,) and np.all(np.isfinite(lpd)) and np.all(lpd < 0.5)
 
     assert result.elbo.shape == (STEPS,)

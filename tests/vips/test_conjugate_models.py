@@ -103,7 +103,7 @@ def test_to_arviz_and_samples_have_site_shapes():
     y = np.random.default_rng(6).integers(0, 3, size=50)
     result = fit_vips(DirichletCategorical(np.ones(3)), (y,), iterations=1, kappa=0.0, rng_key=jax.random.key(0))
     idata = result.to_arviz(num_samples=200)
-    assert idata.posterior["p"].shape == (1, 200, 3)
+    assert idata.posterior["p"].shape == (4, 50, 3)
     assert not result.is_private and result.epsilon is None
 
 

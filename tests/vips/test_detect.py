@@ -81,7 +81,7 @@ def test_beta_bernoulli_and_binomial_patterns():
     y4 = np.array([0, 4, 2, 3.0])
     result = _fit(beta_binomial, y4)
     assert result.params["alpha"] == pytest.approx(1 + 9) and result.params["beta"] == pytest.approx(1 + 7)
-    assert result.to_arviz(10).posterior["p"].shape == (1, 10)
+    assert result.to_arviz(12).posterior["p"].shape == (4, 3)
 
 
 def dirichlet_categorical(y=None):
