@@ -143,13 +143,19 @@ FULL_RANK_ADVICE = ("; mean-field q crosses correlated directions slowly, and fa
                     "hundred latents) converges in fewer rounds with the marginal sds")
 
 
+#: Drift advice for a private fit: its noise is calibrated to the planned rounds, so resuming cannot add rounds.
+PRIVATE_DRIFT_ADVICE = ("Plan more rounds in a new fit (rounds=..., its noise calibrated to them; its budget adds to "
+                        "this one's on the same data; resuming cannot add rounds to a spent budget){faster}")
+
+
 def convergence_advice(caller: str, schedule: str | None, family: str = "mean_field",
                        private: bool = False) -> tuple[str, str]:
     """``(drift advice, jitter advice)`` of a ConvergenceWarning, in the options of ``caller``."""
     sequential = schedule == "sequential"
     faster = ", or more `local_steps`" if sequential else ", or use schedule='sequential' or a larger `damping` for faster rounds"
     calmer = "" if sequential else "a smaller `damping` (synchronous rounds over M clients: about 1/M) or schedule='sequential', "
-    drift = CONVERGENCE_ADVICE[caller].format(faster=faster)
+    template = PRIVATE_DRIFT_ADVICE if private and caller in ("fit_dppvi", "DPPVI") else CONVERGENCE_ADVICE[caller]
+    drift = template.format(faster=faster)
     if family == "mean_field" and not private and caller != "fit_bcm":
         drift += FULL_RANK_ADVICE
     return drift, JITTER_ADVICE[caller].format(calmer=calmer)
@@ -776,6 +782,14 @@ class DPPVI:
         eval_arrays = None if eval_data is None else self.adapter.validate_data(eval_data, "eval_data")
         eval_key = None if eval_data is None else jax.random.fold_in(jax.random.wrap_key_data(state.key), 0x5EED)
         limits = self.limits(state, rounds)
+        if self.plan is not None and int(rounds) > 0 and int(state.round) > 0:
+            able = np.asarray(state.active) & (np.asarray(limits) > np.asarray(state.participations))
+            if not able.any():
+                raise ValueError(
+                    f"{self.caller}: every client's budget is spent after round {int(state.round)} (the noise was "
+                    f"calibrated to {self.planned_rounds} planned rounds), so {int(rounds)} more round(s) would release "
+                    "nothing and change nothing: the checkpoint's result is final. More rounds need a new fit planned "
+                    "for them (rounds=..., its noise calibrated to them), whose budget adds to this one's on the same data")
         trajectory = collections.deque([diagnostics.unconstrained_coordinates(state.q)],
                                        maxlen=2 * diagnostics.WINDOW + 1)
         iterator = range(int(rounds))

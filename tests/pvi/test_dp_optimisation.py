@@ -9,6 +9,7 @@ import pytest
 import numpyro_dppvi as dppvi
 from numpyro_dppvi.privacy import Privacy
 from numpyro_dppvi.privacy.mechanisms import tree_norm
+from numpyro_dppvi.pvi.fit import convergence_advice
 
 from .conftest import logistic
 
@@ -140,6 +141,21 @@ def test_private_resume_continues_the_ledger(tmp_path):
     state = d.init(jax.random.key(4), clients)
     with pytest.raises(ValueError, match="ledger"):
         d.run(None, clients, rounds=1, state=state)
+
+
+def test_a_resume_past_a_spent_budget_says_so_and_stops(tmp_path):
+    """A fit whose noise is calibrated to 3 rounds, resumed to 6: every budget is spent after round 3, so the
+    resume raises with the advice instead of running 3 rounds in which no client takes part (issue 26). The
+    convergence advice of a private fit does not send the user to resume=."""
+    clients = small_clients()
+    privacy = Privacy(epsilon=2.0, delta=1e-5, clip=1.0)
+    path = tmp_path / "p.ckpt"
+    driver(privacy, rounds=3).run(jax.random.key(4), clients, rounds=3, checkpoint=path)
+    with pytest.raises(ValueError, match="budget is spent after round 3"):
+        driver(privacy, rounds=3).resume(path, clients, rounds=6)
+    drift, _ = convergence_advice("fit_dppvi", "sequential", private=True)
+    assert "resume=checkpoint" not in drift and "new fit" in drift
+    assert "resume=checkpoint" in convergence_advice("fit_dppvi", "sequential")[0]
 
 
 def test_private_method_argument_errors():
