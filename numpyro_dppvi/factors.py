@@ -48,6 +48,14 @@ def family_of(g: Gaussian) -> str:
     return "full_rank" if is_full_rank(g) else "mean_field"
 
 
+def num_coordinates(dim: int, family: str) -> int:
+    """Free coordinates of one factor of ``family`` over ``dim`` latents: ``2 D`` mean-field (``eta1``, ``eta2``);
+    ``D + D (D + 1) / 2 = D (D + 3) / 2`` full-rank (``eta1`` and the upper triangle of the symmetric ``eta2``),
+    as many as the parameters a gradient optimiser moves (:func:`to_params`). The noise coordinates of one
+    private release of a factor change or of a DP-SGD gradient (the ``dimension`` of its ledger event)."""
+    return dim * (dim + 3) // 2 if family == "full_rank" else 2 * dim
+
+
 def check_family(family: str, caller: str) -> str:
     if family not in FAMILIES:
         raise ValueError(f"{caller}: unknown family {family!r}; choose one of {FAMILIES} (mean_field: independent "

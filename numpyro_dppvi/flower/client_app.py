@@ -40,7 +40,6 @@ from flwr.clientapp import ClientApp
 
 from .. import factors
 from ..factors import Gaussian
-from ..pvi.update_perturbation import release_coordinates
 from . import client_store, local_update
 from .client_store import ClientState
 from .schema import (Identity, Instruction, Reply, decode_hello, decode_instruction, encode_identity,
@@ -227,7 +226,7 @@ def budget_check(node: NodeSettings, state: ClientState, fit: dict | None, i: In
     if 0 in ledger.stopped:
         return None, f"the node's budget epsilon={node.epsilon} is spent", True
     # noise coordinates of one release: the gradient of (loc, log_scale), or of a full-rank q's (loc, L)
-    dimension = release_coordinates(int(np.shape(i.q.eta1)[-1]), i.settings.family)
+    dimension = factors.num_coordinates(int(np.shape(i.q.eta1)[-1]), i.settings.family)
     try:
         plan = (local_update.calibrated_plan(node, i.settings, state.num_rows, dimension, ledger.events(0))
                 if fit is None or fit["noise_multiplier"] is None else

@@ -44,8 +44,7 @@ from .local import DPOptimisation, NonPrivate, ServerFactorStep
 from .privacy_plan import check_subsampled, client_level_plan, dp_sgd_plan, shard_update_plan
 from .server import SCHEDULES, PVIState
 from .shards import ROWS, make_shards
-from .update_perturbation import (INVALID_RULES, LocalAveraging, VirtualClients, release_coordinates,
-                                  trusted_aggregator_round)
+from .update_perturbation import INVALID_RULES, LocalAveraging, VirtualClients, trusted_aggregator_round
 
 METHODS = ("pvi", "dp_optimisation", "local_averaging", "virtual_clients", "parameter_perturbation")
 UPDATE_METHODS = ("local_averaging", "virtual_clients", "parameter_perturbation")
@@ -458,7 +457,7 @@ class DPPVI:
         a, p = self.adapter, self.privacy
         # noise coordinates of one release: a change of (eta1, eta2), or DP-SGD's gradient of (loc, log_scale) or
         # of the full-rank (loc, log_diag, offdiag), as many: 2 D or D (D + 3) / 2
-        dimension = release_coordinates(a.dim, self.family)
+        dimension = factors.num_coordinates(a.dim, self.family)
         if self.method in UPDATE_METHODS:
             layout = self.shard_layout(clients, key_data)
             self.num_shards = layout.num_shards

@@ -16,7 +16,7 @@ is ``sqrt(||Delta eta1||^2 + ||Delta eta2||_F^2)`` (every off-diagonal entry cou
 is the Gaussian mechanism on the isometric coordinates of that norm (:func:`release_change`: std
 ``sigma C`` on ``eta1`` and the diagonal, ``sigma C / sqrt(2)`` off it, mirrored). Every sensitivity
 argument below bounds the joint norm of a change of the release, whatever the family, so it holds
-unchanged; only the noise coordinates grow, ``D + D (D + 1) / 2`` (:func:`release_coordinates`), and with
+unchanged; only the noise coordinates grow, ``D + D (D + 1) / 2`` (:func:`~numpyro_dppvi.factors.num_coordinates`), and with
 them the norm of the noise (``sigma C sqrt(D + D (D + 1) / 2)`` against ``sigma C sqrt(2 D)``).
 
 **Sensitivity** (:mod:`.shards`): with hashed shards one record changes one shard's term, which
@@ -80,15 +80,6 @@ INVALID_RULES = ("reject", "floor")
 FULL_RANK_SHARD_AVERAGE = 0.5
 
 
-def release_coordinates(dim: int, family: str) -> int:
-    """Noise coordinates of one released change of natural parameters (the ``dimension`` of its
-    event, charged the sampler's tail mass each): ``2 D`` mean-field; ``D + D (D + 1) / 2`` full-rank
-    (``eta1`` and the upper triangle of the symmetric ``eta2``, :func:`release_change`). DP optimisation's
-    noisy gradients have as many: ``(loc, log_scale)``, or ``(loc, log_diag, offdiag)`` of a full-rank ``q``
-    (:func:`~numpyro_dppvi.factors.to_params`, ``D (D + 3) / 2``)."""
-    return dim + dim * (dim + 1) // 2 if family == "full_rank" else 2 * dim
-
-
 def clip_change(delta: Gaussian, clip):
     """Clip a change of natural parameters jointly over ``(eta1, eta2)`` to norm ``clip`` (a
     non-finite change becomes zero); ``clip=None``: no clip (non-private).
@@ -116,7 +107,7 @@ def release_change(key, change: Gaussian, std) -> Gaussian:
     (for full-rank through the isometry ``phi`` of the symmetric matrices), so a release whose joint
     norm moves by at most ``Delta`` between neighbours has noise multiplier ``std / Delta``, the
     sensitivity arguments of the callers unchanged by the family. Noise coordinates:
-    :func:`release_coordinates`."""
+    :func:`~numpyro_dppvi.factors.num_coordinates`."""
     if not factors.is_full_rank(change):
         return add_gaussian_noise(key, change, std)
     k1, k2 = jax.random.split(key)
