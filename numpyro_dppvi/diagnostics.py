@@ -89,8 +89,14 @@ def user_stacklevel() -> int:
 def unconstrained_coordinates(q: factors.Gaussian) -> tuple[np.ndarray, np.ndarray]:
     """``(mu, log s)`` of ``q`` as float64 arrays: ``mu = -eta1 / (2 eta2)``, ``log s = -log(-2 eta2) / 2``;
     full-rank: ``mu = Lambda^{-1} eta1`` and the marginal ``log s = log diag(Lambda^{-1}) / 2`` (on the
-    host, in numpy: no device program per call)."""
-    eta1, eta2 = np.asarray(q.eta1, np.float64), np.asarray(q.eta2, np.float64)
+    host, in numpy: no device program per call; low-rank: its dense form)."""
+    eta1 = np.asarray(q.eta1, np.float64)
+    if factors.is_low_rank(q):
+        low = q.eta2
+        basis = np.asarray(low.basis, np.float64)
+        eta2 = np.diag(np.asarray(low.diag, np.float64)) + basis @ np.asarray(low.core, np.float64) @ basis.T
+    else:
+        eta2 = np.asarray(q.eta2, np.float64)
     if eta2.ndim == eta1.ndim + 1:
         try:
             covariance = np.linalg.inv(-2.0 * eta2)

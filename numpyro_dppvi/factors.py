@@ -19,7 +19,7 @@ carry leading batch axes (e.g. ``[M, D]`` and ``[M, D, D]`` for stacked client f
 
 from __future__ import annotations
 
-from typing import NamedTuple
+from typing import Any, NamedTuple
 
 import jax
 import jax.numpy as jnp
@@ -28,66 +28,142 @@ import numpy as np
 from .privacy.noise import _x64
 
 
-FAMILIES = ("mean_field", "full_rank")
+FAMILIES = ("mean_field", "full_rank", "low_rank")
+
+
+class LowRank(NamedTuple):
+    """The ``eta2`` of a low-rank factor (``family="low_rank"``): ``diag(diag) + basis core basis^T``.
+
+    ``basis`` ``[D, k]`` has orthonormal columns in every stored state (the public basis ``B`` that ``q`` and
+    every factor share, :mod:`numpyro_dppvi.pvi.low_rank`); ``core`` ``[k, k]`` is symmetric and signed (a site
+    factor may remove precision). A client's answer may carry a wider, not orthonormal basis ``[B, E]``
+    (:func:`project_change`) until the server rebases it (:func:`rebase`). Sums, differences and multiples
+    act on ``(diag, core)`` and keep the left operand's basis: both operands must share it (the server
+    rebases every Gaussian of a state into one basis before adding), which is what makes products, quotients
+    and damping exact in this family."""
+
+    diag: jax.Array
+    core: jax.Array
+    basis: jax.Array
+
+    def __add__(self, other):
+        return LowRank(self.diag + other.diag, self.core + other.core, self.basis)
+
+    def __sub__(self, other):
+        return LowRank(self.diag - other.diag, self.core - other.core, self.basis)
+
+    def __mul__(self, c):
+        return LowRank(self.diag * c, self.core * c, self.basis)
+
+    __rmul__ = __mul__
+
+    def __neg__(self):
+        return LowRank(-self.diag, -self.core, self.basis)
+
+    def dense(self) -> jax.Array:
+        """``diag(diag) + basis core basis^T`` as a ``[..., D, D]`` matrix."""
+        eye = jnp.eye(self.diag.shape[-1], dtype=self.diag.dtype)
+        return self.diag[..., :, None] * eye + self.basis @ self.core @ jnp.swapaxes(self.basis, -1, -2)
 
 
 class Gaussian(NamedTuple):
     """Natural parameters of a (possibly improper) Gaussian factor: diagonal (``eta2`` shaped like
-    ``eta1``) or full-rank (``eta2`` with one more axis)."""
+    ``eta1``), full-rank (``eta2`` with one more axis) or low-rank (``eta2`` a :class:`LowRank`)."""
 
     eta1: jax.Array
-    eta2: jax.Array
+    eta2: Any
+
+
+def is_low_rank(g: Gaussian) -> bool:
+    """Whether ``g`` is a low-rank factor (static: read from the type of ``eta2``)."""
+    return isinstance(g.eta2, LowRank)
 
 
 def is_full_rank(g: Gaussian) -> bool:
     """Whether ``g`` is a full-rank factor (static: read from the shapes)."""
-    return jnp.ndim(g.eta2) == jnp.ndim(g.eta1) + 1
+    return not is_low_rank(g) and jnp.ndim(g.eta2) == jnp.ndim(g.eta1) + 1
 
 
 def family_of(g: Gaussian) -> str:
-    return "full_rank" if is_full_rank(g) else "mean_field"
+    return "low_rank" if is_low_rank(g) else "full_rank" if is_full_rank(g) else "mean_field"
 
 
-def num_coordinates(dim: int, family: str) -> int:
+def rank_of(g: Gaussian) -> int:
+    """The rank ``r`` of a low-rank ``g`` (its basis' columns); 0 for the other families."""
+    return int(g.eta2.basis.shape[-1]) if is_low_rank(g) else 0
+
+
+def num_coordinates(dim: int, family: str, rank: int = 0) -> int:
     """Free coordinates of one factor of ``family`` over ``dim`` latents: ``2 D`` mean-field (``eta1``, ``eta2``);
     ``D + D (D + 1) / 2 = D (D + 3) / 2`` full-rank (``eta1`` and the upper triangle of the symmetric ``eta2``),
     as many as the parameters a gradient optimiser moves (:func:`to_params`). The noise coordinates of one
-    private release of a factor change or of a DP-SGD gradient (the ``dimension`` of its ledger event)."""
+    private release of a factor change or of a DP-SGD gradient (the ``dimension`` of its ledger event).
+    Low-rank of rank ``r`` (``eta1``, the diagonal, the symmetric ``r x r`` core in the public basis ``B`` and
+    the ``(D - r) r`` coordinates of a change's cross term ``E B^T + B E^T``, ``B^T E = 0``, that turns ``B``):
+    ``2 D + r (r + 1) / 2 + (D - r) r``; ``D (D + 3) / 2`` at ``r = D``."""
+    if family == "low_rank":
+        return 2 * dim + rank * (rank + 1) // 2 + (dim - rank) * rank
     return dim * (dim + 3) // 2 if family == "full_rank" else 2 * dim
 
 
 def check_family(family: str, caller: str) -> str:
     if family not in FAMILIES:
         raise ValueError(f"{caller}: unknown family {family!r}; choose one of {FAMILIES} (mean_field: independent "
-                         "Gaussian coordinates; full_rank: a full precision matrix, for correlated posteriors)")
+                         "Gaussian coordinates; full_rank: a full precision matrix, for correlated posteriors; "
+                         "low_rank: a diagonal plus rank-r precision, for many correlated latents)")
     return family
 
 
-def zeros(dim: int, dtype=jnp.float32, family: str = "mean_field") -> Gaussian:
-    """The flat factor ``t(u) = 1`` (how every client factor starts)."""
+def initial_basis(dim: int, rank: int, dtype=jnp.float32) -> jax.Array:
+    """The public basis a low-rank fit starts from: ``[D, r]`` orthonormal columns, a QR of a Gaussian
+    matrix drawn from a seed that depends on ``(D, r)`` only (no data, no secret: it is released with the
+    fit's settings). ``r = D``: the identity (the full-rank family)."""
+    if rank >= dim:
+        return jnp.eye(dim, dtype=dtype)
+    draws = np.random.default_rng([dim, rank, 0x10A4]).normal(size=(dim, rank))
+    return jnp.asarray(np.linalg.qr(draws)[0], dtype)
+
+
+def zeros(dim: int, dtype=jnp.float32, family: str = "mean_field", basis=None) -> Gaussian:
+    """The flat factor ``t(u) = 1`` (how every client factor starts); ``low_rank`` in ``basis``."""
+    if family == "low_rank":
+        k = basis.shape[-1]
+        return Gaussian(jnp.zeros(dim, dtype), LowRank(jnp.zeros(dim, dtype), jnp.zeros((k, k), dtype),
+                                                       jnp.asarray(basis, dtype)))
     shape = (dim, dim) if family == "full_rank" else (dim,)
     return Gaussian(jnp.zeros(dim, dtype), jnp.zeros(shape, dtype))
 
 
 def to_full_rank(g: Gaussian) -> Gaussian:
-    """A mean-field factor as a full-rank one (``eta2`` on the diagonal); a full-rank one unchanged."""
+    """A mean-field factor as a full-rank one (``eta2`` on the diagonal), a low-rank one with its ``eta2``
+    formed densely; a full-rank one unchanged."""
+    if is_low_rank(g):
+        return Gaussian(g.eta1, g.eta2.dense())
     if is_full_rank(g):
         return g
     eye = jnp.eye(g.eta2.shape[-1], dtype=g.eta2.dtype)
     return Gaussian(g.eta1, g.eta2[..., :, None] * eye)
 
 
-def as_family(g: Gaussian, family: str) -> Gaussian:
-    """``g`` (mean-field or full-rank) in ``family``; only the embedding of mean-field into full-rank exists."""
+def as_family(g: Gaussian, family: str, basis=None) -> Gaussian:
+    """``g`` (mean-field or full-rank) in ``family``: the embeddings of mean-field into full-rank and into
+    low-rank (a zero core in ``basis``) exist; nothing is projected."""
     if family == "full_rank":
         return to_full_rank(g)
-    if is_full_rank(g):
-        raise ValueError("a full-rank factor has no exact mean-field form")
+    if is_full_rank(g) or is_low_rank(g):
+        raise ValueError(f"a {family_of(g)} factor has no exact {family} form")
+    if family == "low_rank":
+        k = basis.shape[-1]
+        core = jnp.zeros(g.eta2.shape[:-1] + (k, k), g.eta2.dtype)
+        return Gaussian(g.eta1, LowRank(g.eta2, core, jnp.broadcast_to(jnp.asarray(basis, g.eta2.dtype),
+                                                                           g.eta2.shape[:-1] + basis.shape)))
     return g
 
 
 def mean_and_precision(g: Gaussian) -> tuple[jax.Array, jax.Array]:
-    """Full-rank ``g``: ``(mu, Lambda) = (Lambda^{-1} eta1, -2 eta2)`` (NaN means when ``Lambda`` is singular)."""
+    """Full-rank ``g``: ``(mu, Lambda) = (Lambda^{-1} eta1, -2 eta2)`` (NaN means when ``Lambda`` is singular);
+    low-rank ``g`` formed densely."""
+    g = to_full_rank(g) if is_low_rank(g) else g
     precision = -2.0 * g.eta2
     return jnp.linalg.solve(precision, g.eta1[..., None])[..., 0], precision
 
@@ -101,7 +177,8 @@ def _full_rank_proper(g: Gaussian) -> jax.Array:
 
 def finite_coordinates(g: Gaussian) -> jax.Array:
     """``[..., D]`` bool: finite natural parameters and mean on each coordinate (full-rank: the
-    coordinate's row of ``eta2``, and its mean)."""
+    coordinate's row of ``eta2``, and its mean; low-rank: formed densely)."""
+    g = to_full_rank(g) if is_low_rank(g) else g
     if is_full_rank(g):
         mean, _ = mean_and_precision(g)
         return jnp.isfinite(g.eta1) & jnp.all(jnp.isfinite(g.eta2), axis=-1) & jnp.isfinite(mean)
@@ -116,7 +193,8 @@ def precision_draws(mean: jax.Array, chol: jax.Array, eps: jax.Array) -> jax.Arr
 
 def draws(g: Gaussian, eps: jax.Array) -> jax.Array:
     """Draws of a proper ``g`` from standard-normal ``eps`` (``[S, D]``): ``mu + s eps`` (mean-field),
-    ``mu + L^{-T} eps`` with ``Lambda = L L^T`` (full-rank)."""
+    ``mu + L^{-T} eps`` with ``Lambda = L L^T`` (full-rank; low-rank formed densely)."""
+    g = to_full_rank(g) if is_low_rank(g) else g
     if is_full_rank(g):
         mean, precision = mean_and_precision(g)
         return precision_draws(mean, jnp.linalg.cholesky(precision), eps)
@@ -132,7 +210,8 @@ def from_loc_scale(loc, scale) -> Gaussian:
 
 def to_loc_scale(g: Gaussian) -> tuple[jax.Array, jax.Array]:
     """Inverse of :func:`from_loc_scale`; only meaningful where ``eta2 < 0``. For a full-rank factor:
-    the means and the **marginal** sds ``sqrt(diag Lambda^{-1})``."""
+    the means and the **marginal** sds ``sqrt(diag Lambda^{-1})`` (low-rank: the same)."""
+    g = to_full_rank(g) if is_low_rank(g) else g
     if is_full_rank(g):
         mean, precision = mean_and_precision(g)
         return mean, jnp.sqrt(jnp.diagonal(jnp.linalg.inv(precision), axis1=-2, axis2=-1))
@@ -219,7 +298,11 @@ def damp(old: Gaussian, new: Gaussian, rho) -> Gaussian:
 
 
 def product(factors: Gaussian, axis: int = 0) -> Gaussian:
-    """Product over a stacked axis of factors (sum of natural parameters)."""
+    """Product over a stacked axis of factors (sum of natural parameters; low-rank: in their shared basis)."""
+    if is_low_rank(factors):
+        low = factors.eta2
+        return Gaussian(jnp.sum(factors.eta1, axis=axis),
+                        LowRank(jnp.sum(low.diag, axis=axis), jnp.sum(low.core, axis=axis), jnp.take(low.basis, 0, axis)))
     return Gaussian(jnp.sum(factors.eta1, axis=axis), jnp.sum(factors.eta2, axis=axis))
 
 
@@ -227,9 +310,9 @@ def is_proper(g: Gaussian) -> jax.Array:
     """True when every coordinate has ``eta2 < 0``, all parameters are finite and so are the means
     ``-eta1 / (2 eta2)`` (finite natural parameters can overflow the mean: ``-4e36 / 0.1`` in float32).
     Full-rank: the precision ``-2 eta2`` positive definite (a finite Cholesky factor), all parameters and
-    the mean finite."""
-    if is_full_rank(g):
-        return _full_rank_proper(g)
+    the mean finite (low-rank: the same of its dense form)."""
+    if is_full_rank(g) or is_low_rank(g):
+        return _full_rank_proper(to_full_rank(g))
     return (jnp.all(g.eta2 < 0) & jnp.all(jnp.isfinite(g.eta1)) & jnp.all(jnp.isfinite(g.eta2))
             & jnp.all(jnp.isfinite(g.eta1 / g.eta2)))
 
@@ -238,6 +321,7 @@ def check_proper(g: Gaussian, what: str, advice: str = "use more damping (a smal
                                                           "local steps so updates stay valid") -> None:
     """Host-side check raising a ``ValueError`` that says which object is invalid, why, and ``advice``
     (in the options of the function the user called)."""
+    g = to_full_rank(g) if is_low_rank(g) else g
     eta1, eta2 = np.asarray(g.eta1), np.asarray(g.eta2)
     if eta2.ndim == eta1.ndim + 1:
         if not (np.all(np.isfinite(eta1)) and np.all(np.isfinite(eta2))):
@@ -286,7 +370,7 @@ def kl(q: Gaussian, p: Gaussian) -> jax.Array:
     full-rank (either one): ``(tr(Lambda_q^{-1} Lambda_p) + d^T Lambda_p d - D + log|Lambda_q| - log|Lambda_p|) / 2``
     with ``d = mu_p - mu_q``.
     """
-    if is_full_rank(q) or is_full_rank(p):
+    if is_full_rank(q) or is_full_rank(p) or is_low_rank(q) or is_low_rank(p):
         (mq, lq), (mp, lp) = mean_and_precision(to_full_rank(q)), mean_and_precision(to_full_rank(p))
         diff = mp - mq
         dim = mq.shape[-1]

@@ -196,7 +196,7 @@ class DPPVIResult(Result):
                  schedule: str | None, privacy=None, config: dict | None = None, rounds: int = 0,
                  convergence: dict | None = None):
         self.adapter = adapter
-        self.q = factors.Gaussian(*(np.asarray(x) for x in q))
+        self.q = jax.tree.map(np.asarray, q)
         self.history = history
         self.method = method
         self.schedule = schedule
@@ -242,7 +242,7 @@ class DPPVIResult(Result):
 
     @property
     def family(self) -> str:
-        """``"mean_field"`` or ``"full_rank"``: the Gaussian family of ``q``."""
+        """``"mean_field"``, ``"full_rank"`` or ``"low_rank"``: the Gaussian family of ``q``."""
         return factors.family_of(self.q)
 
     def _draws(self, num_samples: int, rng_key):
@@ -309,7 +309,11 @@ class DPPVIResult(Result):
         if meta.get("format") != RESULT_FORMAT:
             raise ValueError(f"{path} does not hold a published DPPVIResult (format {RESULT_FORMAT})")
         adapter = ModelAdapter.for_shapes(model, meta["data_shapes"], meta["data_dtypes"])
-        q = factors.Gaussian(arrays["['q'].eta1"], arrays["['q'].eta2"])
+        if "['q'].eta2.basis" in arrays:  # low-rank: diagonal, core and the public basis
+            q = factors.Gaussian(arrays["['q'].eta1"], factors.LowRank(
+                *(arrays[f"['q'].eta2.{name}"] for name in factors.LowRank._fields)))
+        else:
+            q = factors.Gaussian(arrays["['q'].eta1"], arrays["['q'].eta2"])
         privacy = None if meta.get("privacy") is None else PrivacyLedger.from_dict(meta["privacy"])
         return cls(adapter, q, meta["history"], meta["method"], meta["schedule"], privacy, meta["config"],
                    meta.get("rounds", len(meta["history"])), meta.get("convergence"))

@@ -39,10 +39,12 @@ from .fit import DPPVI
 
 def fit_global_vi(model, clients, *, steps: int = 1000, steps_per_round: int = 100, batch_size: int | None = 100,
                   num_samples: int = 10, optimizer: optax.GradientTransformation | None = None, rng_key=None,
-                  eval_data=None, progress: bool = False, privacy=None, family: str = "mean_field") -> DPPVIResult:
+                  eval_data=None, progress: bool = False, privacy=None, family: str = "mean_field",
+                  rank: int | None = None) -> DPPVIResult:
     """VI (``privacy=None``) or DP-SGD VI on the pooled data of ``clients``; history every ``steps_per_round`` steps.
 
-    ``family``: ``"mean_field"`` or ``"full_rank"`` (private or not; see :class:`~numpyro_dppvi.pvi.fit.DPPVI`).
+    ``family``: ``"mean_field"`` or ``"full_rank"`` (private or not; see :class:`~numpyro_dppvi.pvi.fit.DPPVI`), or
+    ``"low_rank"`` with ``rank`` (not private, so far).
 
     ``rng_key=None`` draws the key from the operating system (see :func:`~numpyro_dppvi.fit_dppvi`).
     """
@@ -53,7 +55,7 @@ def fit_global_vi(model, clients, *, steps: int = 1000, steps_per_round: int = 1
     rounds = steps // steps_per_round
     driver = DPPVI(model, method="pvi" if privacy is None else "dp_optimisation", schedule="sequential",
                    optimizer=optimizer, local_steps=steps_per_round, batch_size=batch_size, num_samples=num_samples,
-                   damping=1.0, privacy=privacy, rounds=rounds, family=family)
+                   damping=1.0, privacy=privacy, rounds=rounds, family=family, rank=rank)
     driver.caller = "fit_global_vi"
     pooled_result = driver.run(rng_key, [pooled], rounds, eval_data=eval_data, progress=progress)
     history = [dict(entry, communications=entry["round"] * steps_per_round * len(clients),
@@ -86,6 +88,9 @@ def fit_bcm(model, clients, *, prior: str = "same", local_steps: int = 1000, bat
         raise ValueError(f"fit_bcm: prior must be 'same' or 'split', got {prior!r}")
     if invalid not in ("prior", "raise"):
         raise ValueError(f"fit_bcm: invalid must be 'prior' or 'raise', got {invalid!r}")
+    if family == "low_rank":
+        raise ValueError("fit_bcm does not take family='low_rank' (each client's posterior would have its own basis); "
+                         "use 'full_rank' or 'mean_field'")
     driver = DPPVI(model, method="pvi" if privacy is None else "dp_optimisation", schedule="synchronous",
                    optimizer=optimizer, local_steps=local_steps, batch_size=batch_size, num_samples=num_samples,
                    damping=1.0, privacy=privacy, rounds=1, family=family)

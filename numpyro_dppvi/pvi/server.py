@@ -37,6 +37,7 @@ import jax.numpy as jnp
 from .. import factors
 from ..factors import Gaussian
 from ..privacy.sampling import inclusion_threshold
+from . import low_rank
 from .update_perturbation import apply_invalid_rule, clip_change, release_change
 
 SCHEDULES = ("sequential", "synchronous", "asynchronous")
@@ -65,7 +66,7 @@ def round_key(state: PVIState) -> jax.Array:
 
 
 def broadcast(g: Gaussian, m: int) -> Gaussian:
-    return Gaussian(jnp.broadcast_to(g.eta1, (m,) + g.eta1.shape), jnp.broadcast_to(g.eta2, (m,) + g.eta2.shape))
+    return jax.tree.map(lambda x: jnp.broadcast_to(x, (m,) + x.shape), g)
 
 
 def within_budget(state: PVIState, limits, extra=1):
@@ -99,9 +100,20 @@ def synchronous(rule, damping, state: PVIState, data, mask, sizes, key, limits):
     # gradients, or a non-private step) is dropped: post-processing of the releases.
     failed = state.active & ~jax.vmap(_finite)(q_new)
     ok = state.active & ~failed
-    delta = Gaussian(*(jnp.where(_expand(ok, new), damping * (new - q_), 0.0) for new, q_ in zip(q_new, broadcast(q, m))))
-    new_factors = factors.multiply(state.factors, delta)
-    new_q = factors.multiply(q, factors.product(delta))
+    extra = {}
+    if factors.is_low_rank(q):  # the changes' bases [B, E_m] widen B; then q is truncated to rank r
+        delta = low_rank.changes(q, q_new, ok, damping)
+        wide = low_rank.widened_basis(q.eta2.basis, delta.eta2.basis)
+        delta, (q, old_factors, t0, t_noise) = low_rank.rebase(delta, wide), low_rank.rebase_tree(
+            (q, state.factors, state.server_factor, state.noise_factor), wide)
+        new_q = factors.multiply(q, factors.product(delta))
+        (new_q, new_factors, t0, t_noise), extra["low_rank_truncation"] = low_rank.truncate_tree(
+            (new_q, factors.multiply(old_factors, delta), t0, t_noise), new_q, rule.rank)
+        state = state._replace(server_factor=t0, noise_factor=t_noise)
+    else:
+        delta = Gaussian(*(jnp.where(_expand(ok, new), damping * (new - q_), 0.0) for new, q_ in zip(q_new, broadcast(q, m))))
+        new_factors = factors.multiply(state.factors, delta)
+        new_q = factors.multiply(q, factors.product(delta))
     client_state = jax.tree.map(lambda new, old: jnp.where(_expand(ok, new), new, old), client_state, state.client_state)
     cavity_ok = jax.vmap(factors.is_proper)(cavities) | ~state.active | (not getattr(rule, "uses_client_cavity", True))
     valid = jnp.all(cavity_ok) & factors.is_proper(new_q)
@@ -110,7 +122,8 @@ def synchronous(rule, damping, state: PVIState, data, mask, sizes, key, limits):
         round=state.round + 1, communications=state.communications + jnp.sum(state.active),
     )
     out = {"valid": valid, "loss": metrics["loss"], "participated": state.active, "failed": failed,
-           "stopped": stopped, "failed_coordinates": jnp.any(failed[:, None] & ~jax.vmap(factors.finite_coordinates)(q_new), 0)}
+           "stopped": stopped, "failed_coordinates": jnp.any(failed[:, None] & ~jax.vmap(factors.finite_coordinates)(q_new), 0),
+           **extra}
     if "invalid" in metrics:
         out["invalid"] = metrics["invalid"] & state.active
     return new_state, out
@@ -133,7 +146,7 @@ def arrivals(rule, damping, state: PVIState, data, mask, sizes, key, order, limi
     """
 
     def arrive(carry, step):
-        q, fac, seen, cstate, valid, active, counts = carry
+        q, fac, seen, cstate, valid, active, counts, dropped, fixed = carry
         i, m = step
         afford = active[m] & (counts[m] + 1 <= limits[m])
         stop = active[m] & ~afford
@@ -146,9 +159,19 @@ def arrivals(rule, damping, state: PVIState, data, mask, sizes, key, order, limi
         q_new, cs_new, metrics = rule.update(start, cavity, rows, mask[m], sizes[m], jax.random.fold_in(key, i), cs)
         failed = afford & ~_finite(q_new)  # post-processing of the client's releases
         act = afford & ~failed
-        delta = Gaussian(*(jnp.where(act, damping * (new - old), 0.0) for new, old in zip(q_new, start)))
-        q_next = factors.multiply(q, delta)
-        fac = jax.tree.map(lambda a, d: a.at[m].add(d), fac, delta)
+        if factors.is_low_rank(q):  # widen the shared basis by the answer's, add, truncate (see synchronous)
+            delta = low_rank.changes(start, q_new, act, damping)
+            wide = low_rank.widened_basis(q.eta2.basis, delta.eta2.basis[None])
+            delta, (q, fac, seen, fixed) = low_rank.rebase(delta, wide), low_rank.rebase_tree((q, fac, seen, fixed), wide)
+            q_next = factors.multiply(q, delta)
+            fac = jax.tree.map(lambda a, d: a.at[m].add(d), fac, delta)
+            fac = fac._replace(eta2=fac.eta2._replace(basis=seen.eta2.basis))  # the add summed the shared basis
+            (q_next, fac, seen, fixed), share = low_rank.truncate_tree((q_next, fac, seen, fixed), q_next, rule.rank)
+            dropped = jnp.maximum(dropped, share)
+        else:
+            delta = Gaussian(*(jnp.where(act, damping * (new - old), 0.0) for new, old in zip(q_new, start)))
+            q_next = factors.multiply(q, delta)
+            fac = jax.tree.map(lambda a, d: a.at[m].add(d), fac, delta)
         seen = jax.tree.map(lambda a, v: a.at[m].set(jnp.where(afford, v, a[m])), seen, q_next)
         cstate = jax.tree.map(lambda a, v: a.at[m].set(jnp.where(act, v, a[m])), cstate, cs_new)
         counts = counts.at[m].add(afford.astype(jnp.int32))
@@ -156,13 +179,18 @@ def arrivals(rule, damping, state: PVIState, data, mask, sizes, key, order, limi
         valid = valid & ((cavity_ok & factors.is_proper(q_next)) | ~act)
         invalid = metrics.get("invalid", jnp.zeros((), bool)) & act
         bad = failed & ~factors.finite_coordinates(q_new)
-        return (q_next, fac, seen, cstate, valid, active, counts), (metrics["loss"], afford, invalid, failed, stop, bad)
+        return (q_next, fac, seen, cstate, valid, active, counts, dropped, fixed), (metrics["loss"], afford, invalid, failed, stop, bad)
 
+    # the server's factors take no change in these rounds, but each arrival's rebase applies to them as to q
     init = (state.q, state.factors, state.q_seen, state.client_state, jnp.array(True), state.active,
-            state.participations)
-    (q, fac, seen, cstate, valid, active, counts), (loss, took_part, invalid, failed, stop, bad) = jax.lax.scan(
+            state.participations, jnp.zeros((), state.q.eta1.dtype), (state.server_factor, state.noise_factor))
+    (q, fac, seen, cstate, valid, active, counts, dropped, (t0, t_noise)), (loss, took_part, invalid, failed, stop, bad) = jax.lax.scan(
         arrive, init, (jnp.arange(order.shape[0]), order)
     )
+    extra = {}
+    if factors.is_low_rank(q):
+        state = state._replace(server_factor=t0, noise_factor=t_noise)
+        extra["low_rank_truncation"] = dropped
     new_state = state._replace(
         q=q, factors=fac, q_seen=seen, client_state=cstate, round=state.round + 1,
         communications=state.communications + jnp.sum(took_part), active=active, participations=counts,
@@ -171,7 +199,7 @@ def arrivals(rule, damping, state: PVIState, data, mask, sizes, key, order, limi
     per_client = lambda flags: jnp.zeros(m, bool).at[order].max(flags)
     return new_state, {"valid": valid, "loss": loss, "participated": per_client(took_part), "order": order,
                        "invalid": invalid, "failed": per_client(failed), "stopped": per_client(stop),
-                       "failed_coordinates": jnp.any(bad, axis=0)}
+                       "failed_coordinates": jnp.any(bad, axis=0), **extra}
 
 
 def arrival_order(key, sizes, active, num_arrivals: int):
@@ -191,7 +219,7 @@ def refine_server_factor(step, state: PVIState, key) -> PVIState:
     return state._replace(
         q=q_new,
         server_factor=factors.multiply(state.server_factor, delta),
-        q_seen=Gaussian(*(s + d for s, d in zip(state.q_seen, broadcast(delta, m)))),
+        q_seen=factors.multiply(state.q_seen, broadcast(delta, m)),
     )
 
 
