@@ -106,6 +106,13 @@ def num_coordinates(dim: int, family: str, rank: int = 0) -> int:
     return dim * (dim + 3) // 2 if family == "full_rank" else 2 * dim
 
 
+def num_parameters(dim: int, family: str, rank: int = 0) -> int:
+    """Coordinates of the parameters a gradient optimiser moves (:func:`to_params`; DP-SGD's gradient and its
+    noise): as :func:`num_coordinates` for mean-field and full-rank; low-rank ``(loc, log_scale, factor)``:
+    ``2 D + D r``."""
+    return 2 * dim + dim * rank if family == "low_rank" else num_coordinates(dim, family)
+
+
 def check_family(family: str, caller: str) -> str:
     if family not in FAMILIES:
         raise ValueError(f"{caller}: unknown family {family!r}; choose one of {FAMILIES} (mean_field: independent "
@@ -240,10 +247,42 @@ def scale_tril(params: dict) -> jax.Array:
     return lower + jnp.exp(params["log_diag"])[..., None] * jnp.eye(dim, dtype=params["loc"].dtype)
 
 
+def low_rank_draw_map(params: dict, eps: jax.Array) -> jax.Array:
+    """Draws ``u_s = mu + s z_s`` of the low-rank parametrisation ``{"loc", "log_scale", "factor"}`` (precision
+    ``Lambda = S^{-1} (I + W W^T) S^{-1}``, ``S = diag(exp(log_scale))``, ``W = factor`` ``[D, r]``) from
+    standard-normal ``eps`` ``[S, D + r]``: ``c = eps_1 + W eps_2 ~ N(0, I + W W^T)``, ``z = (I + W W^T)^{-1} c =
+    c - W (I + W^T W)^{-1} W^T c ~ N(0, (I + W W^T)^{-1})`` (Woodbury; ``O(D r^2)``, no ``D x D`` matrix, and a
+    non-zero gradient in ``W`` at ``W = 0``)."""
+    w = params["factor"]
+    dim, rank = w.shape
+    c = eps[:, :dim] + eps[:, dim:] @ w.T
+    inner = jnp.eye(rank, dtype=w.dtype) + w.T @ w
+    z = c - jnp.linalg.solve(inner, (c @ w).T).T @ w.T
+    return params["loc"] + jnp.exp(params["log_scale"]) * z
+
+
+def low_rank_covariance(params: dict) -> jax.Array:
+    """``Sigma = S (I + W W^T)^{-1} S`` of the low-rank parametrisation, ``[D, D]``."""
+    w, s = params["factor"], jnp.exp(params["log_scale"])
+    inner = jnp.eye(w.shape[1], dtype=w.dtype) + w.T @ w
+    middle = jnp.eye(w.shape[0], dtype=w.dtype) - w @ jnp.linalg.solve(inner, w.T)
+    return s[:, None] * middle * s[None, :]
+
+
+def low_rank_entropy(params: dict) -> jax.Array:
+    """``H[q] = D log(2 pi e) / 2 + sum_i log s_i - log det(I + W^T W) / 2`` of the low-rank parametrisation."""
+    w = params["factor"]
+    dim, rank = w.shape
+    inner = jnp.eye(rank, dtype=w.dtype) + w.T @ w
+    return 0.5 * dim * jnp.log(2 * jnp.pi * jnp.e) + jnp.sum(params["log_scale"]) - 0.5 * jnp.linalg.slogdet(inner)[1]
+
+
 def to_params(g: Gaussian) -> dict:
     """The parameters a gradient optimiser moves: ``{"loc", "log_scale"}`` (mean-field) or, full-rank, the
     mean and the Cholesky factor ``L`` of the covariance, ``{"loc", "log_diag", "offdiag"}``
     (:func:`scale_tril`): ``2 D`` and ``D (D + 3) / 2`` coordinates, unconstrained."""
+    if is_low_rank(g):
+        return _low_rank_to_params(g)
     if not is_full_rank(g):
         return to_loc_log_scale(g)
     dtype = g.eta1.dtype
@@ -264,9 +303,39 @@ def to_params(g: Gaussian) -> dict:
         return {k: v.astype(dtype) for k, v in params.items()}
 
 
+def _low_rank_to_params(g: Gaussian) -> dict:
+    """Low-rank ``g`` (precision ``diag(p) + B C B^T``) as ``{"loc", "log_scale", "factor"}``: ``S^{-2} = diag(p)``,
+    ``W = S B C^{1/2}``, exact when ``p > 0`` and ``C >= 0`` (the case of every ``q`` of a low-rank fit: its core is
+    a sum of positive semi-definite client terms). ``C``'s negative eigenvalues (rounding) count as 0; a ``p <= 0``
+    gives NaN parameters, which the server drops as a failed update."""
+    low = g.eta2
+    mean, _ = mean_and_precision(g)
+    diag = -2.0 * low.diag
+    values, vectors = jnp.linalg.eigh(-low.core - jnp.swapaxes(low.core, -1, -2))  # C = -2 core, symmetrised
+    root = vectors * jnp.sqrt(jnp.maximum(values, 0.0))
+    scale = jnp.where(diag > 0, 1.0 / jnp.sqrt(jnp.where(diag > 0, diag, 1.0)), jnp.nan)
+    return {"loc": mean, "log_scale": jnp.log(scale), "factor": scale[..., :, None] * (low.basis @ root)}
+
+
+def prepend_basis(g: Gaussian, basis: jax.Array) -> Gaussian:
+    """Low-rank ``g`` (basis ``U``, core ``X``) written in the basis ``[basis, U]`` with the core
+    ``blockdiag(0, X)``: the same Gaussian, in a basis whose first columns are ``basis`` (how a client's answer
+    is handed to the server, :func:`numpyro_dppvi.pvi.low_rank.changes`)."""
+    low, r = g.eta2, basis.shape[-1]
+    k = low.core.shape[-1]
+    core = jnp.zeros((r + k, r + k), low.core.dtype).at[r:, r:].set(low.core)
+    return Gaussian(g.eta1, LowRank(low.diag, core, jnp.concatenate([basis, low.basis], axis=-1)))
+
+
 def from_params(params: dict) -> Gaussian:
     """Inverse of :func:`to_params` (the family read from the keys): full-rank ``Lambda = L^{-T} L^{-1}``,
     ``eta1 = Lambda loc``, ``eta2 = -Lambda / 2``."""
+    if "factor" in params:  # low-rank: diag(s^-2) + U U^T, U = S^{-1} W (not orthonormal), core -I / 2
+        scale = jnp.exp(params["log_scale"])
+        u = params["factor"] / scale[..., :, None]
+        rank = u.shape[-1]
+        eta2 = LowRank(-0.5 / jnp.square(scale), -0.5 * jnp.eye(rank, dtype=u.dtype), u)
+        return Gaussian(-2.0 * eta2.dense() @ params["loc"], eta2)
     if "offdiag" not in params:
         return from_loc_log_scale(params)
     lower = scale_tril(params)

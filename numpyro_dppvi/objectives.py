@@ -43,6 +43,8 @@ def draws(params: dict, eps: jax.Array) -> jax.Array:
     (:func:`~numpyro_dppvi.factors.to_params`): ``u_s = mu + L eps_s``."""
     if "offdiag" in params:
         return params["loc"] + eps @ factors.scale_tril(params).T
+    if "factor" in params:  # low-rank: eps is [S, D + r]
+        return factors.low_rank_draw_map(params, eps)
     return params["loc"] + jnp.exp(params["log_scale"]) * eps
 
 
@@ -54,6 +56,9 @@ def cavity_term(params: dict, cavity: Gaussian) -> jax.Array:
         dim = lower.shape[-1]
         entropy = 0.5 * dim * jnp.log(2 * jnp.pi * jnp.e) + jnp.sum(params["log_diag"])
         return factors.expected_log_factor_full(params["loc"], lower @ lower.T, factors.to_full_rank(cavity)) + entropy
+    if "factor" in params:
+        return (factors.expected_log_factor_full(params["loc"], factors.low_rank_covariance(params),
+                                                 factors.to_full_rank(cavity)) + factors.low_rank_entropy(params))
     scale = jnp.exp(params["log_scale"])
     return factors.expected_log_factor(params["loc"], scale, cavity) + factors.entropy(scale)
 
@@ -129,6 +134,8 @@ def per_example_log_lik_grads(log_lik_row, params: dict, eps: jax.Array, rows: t
     dim = eps.shape[-1]
     if "offdiag" in params:
         return _per_example_full_rank_grads(log_lik_row, params, eps, rows, blocks)
+    if "factor" in params:
+        return _per_example_low_rank_grads(log_lik_row, params, eps, rows, blocks)
     if blocks is None:
         blocks, flat = (dim,), log_lik_row
         log_lik_row = lambda parts, row: flat(parts[0], row)
@@ -217,3 +224,23 @@ def _per_example_full_rank_grads(log_lik_row, params: dict, eps: jax.Array, rows
     return {"loc": jnp.mean(grads, axis=1),
             "log_diag": jnp.diagonal(outer, axis1=-2, axis2=-1) * jnp.diagonal(lower),
             "offdiag": outer[:, r, c]}
+
+
+def _row_function(log_lik_row, blocks):
+    """``log_lik_row`` as a function of the flat ``u`` (``blocks``: as :func:`per_example_log_lik_grads`)."""
+    if blocks is None:
+        return log_lik_row
+    offsets = [sum(blocks[:k]) for k in range(len(blocks))]
+    return lambda v, row: log_lik_row([v[..., o:o + b] for o, b in zip(offsets, blocks)], row)
+
+
+def _per_example_low_rank_grads(log_lik_row, params: dict, eps: jax.Array, rows: tuple, blocks) -> dict:
+    """Per-example gradients w.r.t. the low-rank parameters ``{"loc", "log_scale", "factor"}`` of the draws
+    ``u_s = mu + s z_s`` (:func:`~numpyro_dppvi.factors.low_rank_draw_map`): ``g_i = J^T G_i / S`` with ``G_is =
+    grad_u log p(x_i | u_s)`` and ``J`` the Jacobian of the draw map (one vector-Jacobian product per example,
+    ``O(S D r)``), leaves ``[B, D]``, ``[B, D]``, ``[B, D, r]``: the ``2 D + D r`` coordinates DP-SGD clips
+    jointly."""
+    row_fn = _row_function(log_lik_row, blocks)
+    u, pullback = jax.vjp(lambda p: factors.low_rank_draw_map(p, eps), params)
+    grads = jax.vmap(lambda row: jax.vmap(jax.grad(row_fn), in_axes=(0, None))(u, row))(rows)  # [B, S, D]
+    return jax.vmap(lambda g: pullback(g / eps.shape[0])[0])(grads)

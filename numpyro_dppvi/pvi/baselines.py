@@ -44,7 +44,7 @@ def fit_global_vi(model, clients, *, steps: int = 1000, steps_per_round: int = 1
     """VI (``privacy=None``) or DP-SGD VI on the pooled data of ``clients``; history every ``steps_per_round`` steps.
 
     ``family``: ``"mean_field"`` or ``"full_rank"`` (private or not; see :class:`~numpyro_dppvi.pvi.fit.DPPVI`), or
-    ``"low_rank"`` with ``rank`` (not private, so far).
+    ``"low_rank"`` with ``rank`` (private or not).
 
     ``rng_key=None`` draws the key from the operating system (see :func:`~numpyro_dppvi.fit_dppvi`).
     """

@@ -337,8 +337,9 @@ class DPPVI:
             (:func:`~numpyro_dppvi.factors.to_params`). A private release has ``D (D + 3) / 2`` noise
             coordinates (mean-field ``2 D``).
         ``"low_rank"`` with ``rank=r`` (default ``round(sqrt(D))``): a diagonal plus rank-``r`` precision in one
-            public basis shared by ``q`` and every factor (:mod:`~numpyro_dppvi.pvi.low_rank`); non-private fits
-            (``method="pvi"``, :func:`fit_global_vi`) so far, synchronous by default, ``r = D`` the full-rank fit.
+            public basis shared by ``q`` and every factor (:mod:`~numpyro_dppvi.pvi.low_rank`); ``method="pvi"`` (Newton
+            steps, synchronous by default) and ``"dp_optimisation"`` (parameters ``(loc, log s, W)``, ``2 D + D r``
+            noise coordinates), :func:`fit_global_vi`; ``r = D`` is the full-rank fit.
     """
 
     def __init__(self, model, method: str = "pvi", schedule: str | None = None,
@@ -355,9 +356,10 @@ class DPPVI:
             raise ValueError(f"rank= sets the rank of family='low_rank'; family={family!r} has none")
         if rank is not None and (int(rank) != rank or rank < 1 or isinstance(rank, bool)):
             raise ValueError(f"rank must be a positive integer, got {rank!r}")
-        if family == "low_rank" and (method != "pvi" or privacy is not None):
-            raise ValueError("family='low_rank' is available for non-private fits (method='pvi', fit_global_vi) so "
-                             "far; private methods take family='full_rank' (every method) or 'mean_field'")
+        if family == "low_rank" and (method not in ("pvi", "dp_optimisation") or privacy_unit == "client"):
+            raise ValueError("family='low_rank' is available for method='pvi' and method='dp_optimisation' (and "
+                             "fit_global_vi) so far; update perturbation and client-level DP take "
+                             "family='full_rank' or 'mean_field'")
         if method == "dp_optimisation" and isinstance(optimizer, Newton):
             raise ValueError("method='dp_optimisation' takes an optax optimizer on the privatised gradients "
                              "(optim.Newton needs the Hessians of the data, which DP-SGD does not release); with "
@@ -478,7 +480,8 @@ class DPPVI:
         # of the full-rank (loc, log_diag, offdiag), as many: 2 D or D (D + 3) / 2
         if self.family == "low_rank":
             self.rank = min(self.rank or max(1, round(a.dim ** 0.5)), a.dim)
-        dimension = factors.num_coordinates(a.dim, self.family, self.rank or 0)
+        dimension = (factors.num_parameters if self.method == "dp_optimisation" else factors.num_coordinates)(
+            a.dim, self.family, self.rank or 0)
         if self.method in UPDATE_METHODS:
             layout = self.shard_layout(clients, key_data)
             self.num_shards = layout.num_shards
@@ -495,7 +498,7 @@ class DPPVI:
                                        self.num_samples, log_lik_row=a.log_lik_row_blocks, clip=p.clip,
                                        sampling=p.sampling, max_batch=self.plan.max_batch,
                                        blocks=a.site_sizes, chunk=self.plan.chunk, average=self.tail_average,
-                                       family=self.family)
+                                       family=self.family, rank=self.rank or 0)
         elif self.method in UPDATE_METHODS:
             self.plan = None if p is None else shard_update_plan(p, self.num_clients, self.planned_rounds, dimension,
                                                                  one_record_per_shard=self.shards == ROWS)

@@ -277,7 +277,10 @@ class DPOptimisation(NonPrivate):
     **Full-rank** ``q`` (``family="full_rank"``): the parameters are the mean and the Cholesky factor of the
     covariance, ``(mu, log diag L, L below the diagonal)`` (:func:`~numpyro_dppvi.factors.to_params`), and
     ``g_i`` their per-example gradients (``D (D + 3) / 2`` coordinates, clipped jointly; the noise has as
-    many). The sensitivity argument below concerns the norm of ``g_i``, whatever its coordinates.
+    many). **Low-rank** ``q`` (``family="low_rank"``): the parameters are ``(mu, log s, W)`` with the precision
+    ``S^{-1} (I + W W^T) S^{-1}`` (NumPyro's ``AutoLowRankMultivariateNormal`` mirrored onto the precision, whose
+    sums stay positive semi-definite), ``2 D + D r`` coordinates; the answer's new directions ``S^{-1} W`` widen
+    the public basis at the server (post-processing of the released gradients). The sensitivity argument below concerns the norm of ``g_i``, whatever its coordinates.
 
     Sensitivity: the released sum changes by at most ``C`` when a record is added or removed and
     ``2C`` when one is replaced (each clipped term has norm <= C; a non-finite term is zeroed); the
@@ -301,6 +304,7 @@ class DPOptimisation(NonPrivate):
     blocks: tuple = None
     chunk: int = 8  # rows per chunk of a Poisson batch
     family: str = "mean_field"  # "full_rank": q and the factors [D, D], parameters (loc, L) (factors.to_params)
+    rank: int = 0  # family "low_rank": parameters (loc, log_scale, factor [D, r]), draws from D + r normals
 
     def clipped_sum(self, params, eps, rows, bmask, clip=None):
         """``sum_{i in B} clip_C(g_i)`` of per-example likelihood gradients over given rows (pre-noise)."""
@@ -338,7 +342,7 @@ class DPOptimisation(NonPrivate):
         """
         k_batch, k_eps, k_noise, k_count = jax.random.split(key, 4)
         rate = client_state["rate"]
-        eps = objectives.standard_draws(k_eps, self.num_samples, self.dim, self.antithetic)
+        eps = objectives.standard_draws(k_eps, self.num_samples, self.dim + self.rank, self.antithetic)
         adaptive = "clip" in client_state
         clip = client_state["clip"].clip if adaptive else self.clip
         summed, count = self.sampled_clipped_sum(params, eps, arrays, mask, k_batch, rate, clip)
@@ -356,4 +360,7 @@ class DPOptimisation(NonPrivate):
             self.optimizer, factors.to_params(q), self.local_steps, key,
             lambda p, k, t, cs: self.private_step(p, k, arrays, mask, n, cavity, cs),
             average=self.average, aux=client_state, objective_scale=n)
-        return factors.from_params(params), client_state, {"loss": losses[-1]}
+        q_new = factors.from_params(params)
+        if factors.is_low_rank(q):  # in the basis [B, S^-1 W]: the server widens B by the answer's directions
+            q_new = factors.prepend_basis(q_new, q.eta2.basis)
+        return q_new, client_state, {"loss": losses[-1]}

@@ -38,8 +38,14 @@ synchronous rounds give sds 0.997-1.008x the exact ones (mean-field about 0.35x)
 (each arrival truncates the other factors anew), hence the synchronous default; the means are exact (under
 1e-3 sd) in both, since the truncation keeps ``q``'s mean (:func:`truncate_tree`).
 
-Private methods do not take this family yet (their releases would be the change's coordinates in ``B``:
-``2 D + r (r + 1) / 2 + (D - r) r`` of them, :func:`~numpyro_dppvi.factors.num_coordinates`).
+**DP optimisation** moves ``(mu, log s, W)`` with the precision ``S^{-1} (I + W W^T) S^{-1}``
+(:func:`~numpyro_dppvi.factors.to_params`; :class:`~.local.DPOptimisation`): ``2 D + D r`` noise coordinates per
+step, and the answer's directions ``S^{-1} W`` widen the basis at the server like any client's. UCI Adult, 10
+clients, epsilon 1, rank 10: test accuracy 0.8462-0.8465 against mean-field's 0.8463-0.8464.
+
+The update-perturbation methods and client-level DP do not take this family yet (their releases would be the
+change's coordinates in ``B``: ``2 D + r (r + 1) / 2 + (D - r) r`` of them,
+:func:`~numpyro_dppvi.factors.num_coordinates`).
 """
 
 from __future__ import annotations
