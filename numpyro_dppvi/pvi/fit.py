@@ -338,8 +338,10 @@ class DPPVI:
             coordinates (mean-field ``2 D``).
         ``"low_rank"`` with ``rank=r`` (default ``round(sqrt(D))``): a diagonal plus rank-``r`` precision in one
             public basis shared by ``q`` and every factor (:mod:`~numpyro_dppvi.pvi.low_rank`); ``method="pvi"`` (Newton
-            steps, synchronous by default) and ``"dp_optimisation"`` (parameters ``(loc, log s, W)``, ``2 D + D r``
-            noise coordinates), :func:`fit_global_vi`; ``r = D`` is the full-rank fit.
+            steps, synchronous by default), ``"dp_optimisation"`` (parameters ``(loc, log s, W)``, ``2 D + D r``
+            noise coordinates), parameter perturbation and local averaging (releases in the public basis,
+            ``2 D + r (r + 1) / 2 + (D - r) r`` noise coordinates), :func:`fit_global_vi`; not yet virtual clients,
+            a trusted aggregator or client-level DP. ``r = D`` is the full-rank fit.
     """
 
     def __init__(self, model, method: str = "pvi", schedule: str | None = None,
@@ -356,10 +358,9 @@ class DPPVI:
             raise ValueError(f"rank= sets the rank of family='low_rank'; family={family!r} has none")
         if rank is not None and (int(rank) != rank or rank < 1 or isinstance(rank, bool)):
             raise ValueError(f"rank must be a positive integer, got {rank!r}")
-        if family == "low_rank" and (method not in ("pvi", "dp_optimisation") or privacy_unit == "client"):
-            raise ValueError("family='low_rank' is available for method='pvi' and method='dp_optimisation' (and "
-                             "fit_global_vi) so far; update perturbation and client-level DP take "
-                             "family='full_rank' or 'mean_field'")
+        if family == "low_rank" and (method == "virtual_clients" or privacy_unit == "client" or trusted_aggregator):
+            raise ValueError("family='low_rank' is not available with virtual clients, a trusted aggregator or "
+                             "client-level DP so far; take family='full_rank' or 'mean_field' there")
         if method == "dp_optimisation" and isinstance(optimizer, Newton):
             raise ValueError("method='dp_optimisation' takes an optax optimizer on the privatised gradients "
                              "(optim.Newton needs the Hessians of the data, which DP-SGD does not release); with "
@@ -505,7 +506,7 @@ class DPPVI:
             cls = VirtualClients if self.method == "virtual_clients" else LocalAveraging
             self.rule = cls(a.log_lik_rows, a.dim, self.optimizer, self.local_steps, self.num_samples,
                             clip=None if p is None else p.clip, damping=self.damping, invalid=self.invalid,
-                            precision_floor=self.precision_floor, family=self.family)
+                            precision_floor=self.precision_floor, family=self.family, rank=self.rank or 0)
         else:
             if self.privacy_unit == "client":
                 self.plan = client_level_plan(p, self.num_clients, self.planned_rounds, self.client_rate, dimension)

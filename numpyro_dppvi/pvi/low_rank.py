@@ -43,9 +43,13 @@ synchronous rounds give sds 0.997-1.008x the exact ones (mean-field about 0.35x)
 step, and the answer's directions ``S^{-1} W`` widen the basis at the server like any client's. UCI Adult, 10
 clients, epsilon 1, rank 10: test accuracy 0.8462-0.8465 against mean-field's 0.8463-0.8464.
 
-The update-perturbation methods and client-level DP do not take this family yet (their releases would be the
-change's coordinates in ``B``: ``2 D + r (r + 1) / 2 + (D - r) r`` of them,
-:func:`~numpyro_dppvi.factors.num_coordinates`).
+**Update perturbation** (parameter perturbation, local averaging): a shard releases its change in public
+coordinates (:func:`change_coordinates`: the diagonal, the core in ``B`` and the cross term ``E``, ``2 D + r (r + 1)
+/ 2 + (D - r) r`` of them, :func:`~numpyro_dppvi.factors.num_coordinates`), clipped jointly and noised
+isotropically (:func:`release_coordinates`); the server completes the change outside ``B`` with the client's
+public factor (:func:`from_coordinates`, a Nystrom completion). Negligible noise, rank 1: parameter perturbation
+reaches the non-private fixed point, local averaging (3 shards) sds 1.03-1.05x and means up to 0.32 sd off.
+Virtual clients, a trusted aggregator and client-level DP do not take this family yet.
 """
 
 from __future__ import annotations
@@ -113,23 +117,31 @@ def project_change(delta: jax.Array, basis: jax.Array) -> tuple[jax.Array, jax.A
         return x.astype(dtype), (0.5 * (core + core.T)).astype(dtype), cross.astype(dtype)
 
 
-def diagonal_plus_low_rank(precision: jax.Array, rank: int, iterations: int = 30):
-    """``(d, S, V)`` with ``precision ~ diag(d) + V diag(S) V^T``, ``V`` ``[D, r]`` orthonormal, ``S >= 0``, and the
-    diagonal exact: alternating projections (factor analysis' principal-axis iteration): ``d = diag(T - V S V^T)``,
-    then ``V, S`` the ``r`` largest eigenpairs of ``T - diag(d)``, their negative eigenvalues set to 0. Exact when
-    ``T`` is diagonal plus a positive semi-definite rank ``r`` term, after the iteration has converged."""
+def _top(values, vectors, rank: int, signed: bool):
+    """The ``rank`` eigenpairs kept: the largest (negative ones set to 0), or, ``signed``, the largest ``|lambda|``."""
+    if signed:
+        order = jnp.argsort(-jnp.abs(values))[:rank]
+        return values[order], vectors[:, order]
+    return jnp.maximum(values[-rank:], 0.0), vectors[:, -rank:]
+
+
+def diagonal_plus_low_rank(precision: jax.Array, rank: int, iterations: int = 30, signed: bool = False):
+    """``(d, S, V)`` with ``precision ~ diag(d) + V diag(S) V^T``, ``V`` ``[D, r]`` orthonormal, and the diagonal
+    exact: alternating projections (factor analysis' principal-axis iteration): ``d = diag(T - V S V^T)``, then
+    ``V, S`` the ``r`` largest eigenpairs of ``T - diag(d)`` (``S >= 0``: negative eigenvalues set to 0; ``signed``:
+    the ``r`` largest in absolute value, for a change, which may remove precision). Exact when ``T`` is diagonal
+    plus a rank ``r`` term of that kind, after the iteration has converged."""
     sym = 0.5 * (precision + precision.T)
 
     def step(low, _):
         d = jnp.diagonal(sym - low)
-        values, vectors = jnp.linalg.eigh(sym - jnp.diag(d))
-        values, vectors = jnp.maximum(values[-rank:], 0.0), vectors[:, -rank:]
+        values, vectors = _top(*jnp.linalg.eigh(sym - jnp.diag(d)), rank, signed)
         return (vectors * values) @ vectors.T, None
 
     low, _ = jax.lax.scan(step, jnp.zeros_like(sym), None, length=iterations)
     d = jnp.diagonal(sym - low)
-    values, vectors = jnp.linalg.eigh(low)
-    return d, jnp.maximum(values[-rank:], 0.0), vectors[:, -rank:]
+    values, vectors = _top(*jnp.linalg.eigh(low), rank, signed)
+    return d, values, vectors
 
 
 def answer(q: Gaussian, cavity: Gaussian, q_dense_new: Gaussian, rank: int) -> Gaussian:
@@ -244,3 +256,99 @@ class ServerFactorStepLowRank(ServerFactorStepFullRank):
         low = cavity.eta2
         diag = jnp.diagonal(t0.eta2)
         return Gaussian(cavity.eta1 + t0.eta1, LowRank(low.diag + diag, low.core, low.basis))
+
+
+SQRT2 = 2.0 ** 0.5
+
+
+def change_coordinates(q: Gaussian, cavity: Gaussian, q_dense_new: Gaussian) -> dict:
+    """The change from ``q`` (low-rank, basis ``B``) to a shard's proposal ``q_new`` (dense) in the public
+    coordinates a private release has: ``{"eta1", "diag", "core", "cross"}``.
+
+    The client's factor ``t = q / cavity`` has the precision ``diag(p) + B G B^T`` (public: the server holds it).
+    The proposal's factor precision ``T = Lambda_new - Lambda_cavity`` is put in the family, ``T ~ diag(d) + L``
+    with ``L`` positive semi-definite of rank ``r`` (:func:`diagonal_plus_low_rank`), and the change ``T - t``
+    written in ``B``: in ``eta2`` units (``-1/2``), ``diag = -(d - p) / 2``, ``core = X = -(B^T L B - G) / 2``
+    (symmetric ``[r, r]``) and ``cross = sqrt(2) E``, ``E = -(I - B B^T) L B / 2`` (``[D, r]``, ``B^T E = 0``:
+    ``L``'s action on ``B``, by which the server's basis turns towards ``L``'s range). With ``t``'s core the server
+    recovers ``L`` (:func:`from_coordinates`: ``L = (L B) (B^T L B)^+ (L B)^T``, a Nystrom completion from
+    ``B^T L B = -2 X + G``, exact for a rank-``r`` ``L`` whose compression is invertible). ``eta1`` is the change
+    that keeps ``q_new``'s mean under the completed precision. The plain L2 norm of these leaves,
+    ``sqrt(||d eta1||^2 + ||diag||^2 + ||X||_F^2 + ||E B^T + B E^T||_F^2)``, is the norm ``clip_change`` clips and
+    :func:`release_coordinates` noises isotropically. Depends only on ``q_new`` and public values (``q`` and
+    ``t``)."""
+    low, own = q.eta2, factors.divide(q, cavity).eta2
+    basis, rank = low.basis, low.basis.shape[-1]
+    d, values, vectors = diagonal_plus_low_rank(-2.0 * (q_dense_new.eta2 - cavity.eta2.dense()), rank)
+    lifted = (vectors * values) @ vectors.T  # L
+    compressed = basis.T @ lifted @ basis
+    core = -0.5 * compressed - own.core
+    cross = -0.5 * (lifted @ basis - basis @ compressed)
+    mean, _ = factors.mean_and_precision(q_dense_new)
+    eta1 = (-2.0 * cavity.eta2.dense() + jnp.diag(d) + lifted) @ mean
+    return {"eta1": eta1 - q.eta1, "diag": -0.5 * d - own.diag, "core": 0.5 * (core + core.T), "cross": SQRT2 * cross}
+
+
+#: Eigenvalues of a factor's compressed core below this share of its largest (and below the noise floor) are
+#: left out of the Nystrom completion (:func:`from_coordinates`): their inverse would amplify noise.
+COMPLETION_CUTOFF = 1e-4
+
+
+def from_coordinates(q: Gaussian, own: Gaussian, coordinates: dict, scale=1.0, noise_std=0.0) -> Gaussian:
+    """``q`` moved by ``scale`` times a (released, summed) change in public coordinates
+    (:func:`change_coordinates`) of the factor ``own`` (the client's, public): with ``K = own.core + s X`` (the new
+    factor's compressed core, ``-B^T L B / 2``) and ``E`` (``cross / sqrt(2)``), the change is
+    ``s (diag + B X B^T + E B^T + B E^T) + s^2 E K^+ E^T``, the last term completing ``L`` outside ``B``; in the basis
+    ``[B, E]`` with the core ``[[X_q + s X, s I], [s I, s^2 K^+]]``. ``K^+`` inverts ``K``'s eigenvalues whose size
+    exceeds both :data:`COMPLETION_CUTOFF` of the largest and three noise sds (``3 noise_std``, the std of the
+    released coordinates); the others are left out (their inverse would be noise). Post-processing of the
+    released coordinates and public values."""
+    low = q.eta2
+    r = low.basis.shape[-1]
+    whole = own.eta2.core + scale * coordinates["core"]
+    values, vectors = jnp.linalg.eigh(0.5 * (whole + whole.T))
+    strength = jnp.abs(values)
+    cutoff = jnp.maximum(COMPLETION_CUTOFF * jnp.max(strength), 3.0 * noise_std)
+    inverse = jnp.where(strength > cutoff, 1.0 / jnp.where(strength > cutoff, values, 1.0), 0.0)
+    completion = (vectors * inverse) @ vectors.T
+    eye = jnp.eye(r, dtype=low.core.dtype)
+    block = jnp.block([[low.core + scale * coordinates["core"], scale * eye],
+                       [scale * eye, scale ** 2 * completion]])
+    basis = jnp.concatenate([low.basis, coordinates["cross"] / SQRT2], axis=-1)
+    return Gaussian(q.eta1 + scale * coordinates["eta1"], LowRank(low.diag + scale * coordinates["diag"], block, basis))
+
+
+def release_coordinates(key, coordinates: dict, std, basis: jax.Array) -> dict:
+    """The Gaussian mechanism of std ``std`` on a change in public coordinates: iid on ``eta1`` and ``diag``,
+    :func:`~numpyro_dppvi.privacy.mechanisms.add_frobenius_symmetric_noise` on the symmetric ``core`` (the
+    isometric coordinates of its Frobenius norm), and on ``cross`` iid noise projected onto the orthogonal
+    complement of ``B``: ``Q_perp Z``, ``Q_perp`` ``[D, D - r]`` the complement's orthonormal basis from a complete QR
+    of ``B`` and ``Z`` ``[D - r, r]`` from the library's sampler (``(D - r) r`` coordinates drawn, isotropic in the
+    space ``cross`` lives in; ``Q_perp^T`` maps ``cross`` isometrically onto them). The noise
+    is isotropic, std ``std``, on ``2 D + r (r + 1) / 2 + (D - r) r`` coordinates whose L2 norm is the norm
+    :func:`change_coordinates` defines, so a release whose norm moves by at most ``Delta`` between neighbours has
+    noise multiplier ``std / Delta``."""
+    from ..privacy.mechanisms import add_frobenius_symmetric_noise, add_gaussian_noise, gaussian_noise_like
+
+    k1, k2, k3, k4 = jax.random.split(key, 4)
+    dim, rank = basis.shape
+    complement = jnp.linalg.qr(basis, mode="complete")[0][:, rank:]  # [D, D - r]
+    cross = coordinates["cross"]
+    z = gaussian_noise_like(k4, jnp.zeros((dim - rank, rank), cross.dtype), std)
+    return {"eta1": add_gaussian_noise(k1, coordinates["eta1"], std),
+            "diag": add_gaussian_noise(k2, coordinates["diag"], std),
+            "core": add_frobenius_symmetric_noise(k3, coordinates["core"], std),
+            "cross": cross + complement @ z}
+
+
+def floor_precision(proposal: Gaussian, precision_floor):
+    """``(proposal', fired)``: the invalid-update rule ``"floor"`` for a low-rank proposal: when the smallest
+    eigenvalue ``lambda_min`` of its precision is below the floor, the precision's diagonal is raised by
+    ``floor - lambda_min`` (the smallest multiple of the identity that puts every eigenvalue at or above the
+    floor; the family's structure kept, ``eta1`` kept, as the other families' rules)."""
+    low = proposal.eta2
+    precision = -2.0 * low.dense()
+    smallest = jnp.min(jnp.linalg.eigvalsh(0.5 * (precision + precision.T)))
+    fired = smallest < precision_floor
+    lift = jnp.where(fired, precision_floor - smallest, 0.0)
+    return Gaussian(proposal.eta1, low._replace(diag=low.diag - 0.5 * lift)), fired

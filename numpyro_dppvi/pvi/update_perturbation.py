@@ -71,7 +71,7 @@ from .. import factors, objectives
 from ..factors import Gaussian
 from ..privacy import noise
 from ..privacy.mechanisms import add_frobenius_symmetric_noise, add_gaussian_noise, clip_update, project_psd
-from . import full_rank
+from . import full_rank, low_rank
 from .local import optimise
 
 INVALID_RULES = ("reject", "floor")
@@ -88,7 +88,10 @@ def clip_change(delta: Gaussian, clip):
     whole ``[D, D]`` matrix, every off-diagonal entry counted twice, which is the norm
     :func:`release_change` calibrates its noise to. A full-rank ``eta2`` is symmetrised first
     (``(A + A^T) / 2``, which never increases the Frobenius norm), so that the released change is
-    exactly symmetric."""
+    exactly symmetric. A low-rank change comes in its public coordinates (a dict,
+    :func:`~numpyro_dppvi.pvi.low_rank.change_coordinates`), whose plain L2 norm is the one clipped."""
+    if isinstance(delta, dict):
+        return delta if clip is None else clip_update(delta, clip)[0]
     if factors.is_full_rank(delta):
         delta = Gaussian(delta.eta1, 0.5 * (delta.eta2 + jnp.swapaxes(delta.eta2, -1, -2)))
     if clip is None:
@@ -96,7 +99,7 @@ def clip_change(delta: Gaussian, clip):
     return clip_update(delta, clip)[0]
 
 
-def release_change(key, change: Gaussian, std) -> Gaussian:
+def release_change(key, change: Gaussian, std, basis=None) -> Gaussian:
     """``change + noise``: the Gaussian mechanism of std ``std`` on a change of natural parameters
     clipped by :func:`clip_change` (or a sum of such changes).
 
@@ -107,7 +110,10 @@ def release_change(key, change: Gaussian, std) -> Gaussian:
     (for full-rank through the isometry ``phi`` of the symmetric matrices), so a release whose joint
     norm moves by at most ``Delta`` between neighbours has noise multiplier ``std / Delta``, the
     sensitivity arguments of the callers unchanged by the family. Noise coordinates:
-    :func:`~numpyro_dppvi.factors.num_coordinates`."""
+    :func:`~numpyro_dppvi.factors.num_coordinates`. Low-rank: a change in public coordinates, noised by
+    :func:`~numpyro_dppvi.pvi.low_rank.release_coordinates` in the public ``basis``."""
+    if isinstance(change, dict):
+        return low_rank.release_coordinates(key, change, std, basis)
     if not factors.is_full_rank(change):
         return add_gaussian_noise(key, change, std)
     k1, k2 = jax.random.split(key)
@@ -122,12 +128,18 @@ def apply_invalid_rule(q: Gaussian, proposal: Gaussian, damping, rule: str, prec
     ``-2 eta2`` raised to at least ``precision_floor`` (``V max(lambda, floor) V^T``, the same rule on
     the precision's spectrum; the proposal is left as it is when no eigenvalue is below the floor).
     ``eta1`` is kept in both. It fires (and is counted) when any precision, or eigenvalue, is below the
-    floor."""
+    floor. Low-rank: the precision's diagonal raised by ``floor - lambda_min`` when its smallest eigenvalue is
+    below the floor (:func:`~numpyro_dppvi.pvi.low_rank.floor_precision`); ``q`` is compared in the proposal's
+    basis."""
+    if factors.is_low_rank(proposal):
+        q = low_rank.in_basis_of(q, proposal)
     damped = factors.damp(q, proposal, damping)
     invalid = ~factors.is_proper(damped)
     if rule == "reject":
-        kept = Gaussian(*(jnp.where(invalid, a, b) for a, b in zip(q, proposal)))
+        kept = jax.tree.map(lambda a, b: jnp.where(invalid, a, b), q, proposal)
         return kept, invalid
+    if factors.is_low_rank(proposal):
+        return low_rank.floor_precision(proposal, precision_floor)
     if factors.is_full_rank(proposal):
         precision = -2.0 * proposal.eta2
         below = jnp.min(jnp.linalg.eigvalsh(0.5 * (precision + precision.T))) < precision_floor
@@ -158,6 +170,7 @@ class ShardRule:
     invalid: str = "reject"
     precision_floor: float = 1e-3
     family: str = "mean_field"  # "full_rank": [D, D] factors, shard proposals by Newton steps (fit_shard)
+    rank: int = 0  # family "low_rank": the rank r of the public basis the releases are written in
 
     uses_client_cavity = True
 
@@ -181,8 +194,9 @@ class ShardRule:
         ``q * release^scale`` under the invalid-update rule."""
         k_shards, k_noise = jax.random.split(key)
         summed, tentative = self.contribution(q, cavity, arrays, mask, k_shards, client_state)
-        released = summed if self.clip is None else release_change(k_noise, summed, client_state["noise_std"])
-        proposal = factors.multiply(q, factors.scale(released, self.scale(client_state["num_shards"])))
+        basis = q.eta2.basis if factors.is_low_rank(q) else None
+        released = summed if self.clip is None else release_change(k_noise, summed, client_state["noise_std"], basis)
+        proposal = propose(q, cavity, released, self.scale(client_state["num_shards"]), client_state["noise_std"])
         proposal, invalid = apply_invalid_rule(q, proposal, self.damping, self.invalid, self.precision_floor)
         accepted = ~invalid if self.invalid == "reject" else jnp.ones((), bool)
         return proposal, self.commit(client_state, tentative, accepted), {"loss": jnp.zeros(()), "invalid": invalid}
@@ -193,7 +207,7 @@ class LocalAveraging(ShardRule):
     """Local averaging / parameter perturbation rule (see module docstring)."""
 
     def init_client_state(self, arrays, mask, key):
-        if self.family == "full_rank":  # Newton steps keep no optimiser state
+        if self.family in ("full_rank", "low_rank"):  # Newton steps keep no optimiser state
             return {"opt": jnp.zeros(mask.shape[0])}
         params = {"loc": jnp.zeros(self.dim), "log_scale": jnp.zeros(self.dim)}
         opt = jax.vmap(lambda _: self.optimizer.init(params))(jnp.arange(mask.shape[0]))
@@ -212,7 +226,7 @@ class LocalAveraging(ShardRule):
         q_k, opt = jax.vmap(self.shard_update, in_axes=(None, None, None, 0, 0, 0, 0))(
             q, cavity, client_state["num_shards"], arrays, mask, client_state["opt"],
             self.shard_keys(key, client_state))
-        deltas = jax.vmap(lambda a: clip_change(factors.divide(a, q), self.clip))(q_k)
+        deltas = jax.vmap(lambda a: clip_change(change_of(q, cavity, a), self.clip))(q_k)
         opt = jax.tree.map(lambda new, old: jnp.where(_expand(valid_shard, new), new, old), opt, client_state["opt"])
         return _masked_sum(deltas, valid_shard), dict(client_state, opt=opt)
 
@@ -265,7 +279,9 @@ def fit_shard(rule, q, cavity, arrays, mask, n_eff, key, opt_state=None):
     (:func:`~numpyro_dppvi.pvi.full_rank.iterate`) on ``n_eff mean_i log p(x_i | u)`` with the same cavity,
     the proposal the mean of the last :data:`FULL_RANK_SHARD_AVERAGE` of the iterates; ``opt_state``
     passes through."""
-    if rule.family == "full_rank":
+    if rule.family in ("full_rank", "low_rank"):  # low-rank: the dense steps; the change is projected by the caller
+        q, cavity = factors.to_full_rank(q), factors.to_full_rank(cavity)
+
         def objective(u, t):
             rows = rule.log_lik_rows(u, arrays)
             return n_eff * jnp.sum(jnp.where(mask, rows, 0.0)) / jnp.maximum(jnp.sum(mask), 1.0)
@@ -339,8 +355,26 @@ def trusted_aggregator_round(rule: ShardRule, damping, state, data, mask, sizes,
                        "failed": jnp.zeros(m, bool), "invalid": invalid}
 
 
-def _masked_sum(deltas: Gaussian, valid) -> Gaussian:
-    return Gaussian(*(jnp.sum(jnp.where(_expand(valid, d), d, 0.0), axis=0) for d in deltas))
+def _masked_sum(deltas, valid):
+    return jax.tree.map(lambda d: jnp.sum(jnp.where(_expand(valid, d), d, 0.0), axis=0), deltas)
+
+
+def change_of(q: Gaussian, cavity: Gaussian, proposal: Gaussian):
+    """A shard's change ``eta(proposal) - eta(q)``: natural parameters (mean-field, full-rank), or the public
+    coordinates of a low-rank ``q``'s change (:func:`~numpyro_dppvi.pvi.low_rank.change_coordinates`;
+    ``proposal`` dense, ``cavity`` the client's)."""
+    if factors.is_low_rank(q):
+        return low_rank.change_coordinates(q, cavity, proposal)
+    return factors.divide(proposal, q)
+
+
+def propose(q: Gaussian, cavity: Gaussian, released, scale, noise_std=0.0) -> Gaussian:
+    """``q * released^scale``: the proposal a (summed, noised) release makes (low-rank: completed with the
+    client's public factor ``q / cavity``, :func:`~numpyro_dppvi.pvi.low_rank.from_coordinates`, knowing the
+    release's public noise std)."""
+    if factors.is_low_rank(q):
+        return low_rank.from_coordinates(q, factors.divide(q, cavity), released, scale, noise_std)
+    return factors.multiply(q, factors.scale(released, scale))
 
 
 def _broadcast(g: Gaussian, m: int) -> Gaussian:

@@ -84,20 +84,28 @@ def distance(a, b):
 
 # --------------------------------------------------------------------------- DP optimisation
 
+#: A correlated rank-1 q over two latents: precision diag(3, 2) + 4 v v^T, v = (1, 1) / sqrt(2).
+LOW_RANK_Q = factors.Gaussian(jnp.array([0.6, -0.9]), factors.LowRank(
+    jnp.array([-1.5, -1.0]), jnp.array([[-2.0]]), jnp.array([[0.70710678], [0.70710678]])))
+
 @pytest.mark.parametrize("relation", RELATIONS)
-@pytest.mark.parametrize("family", ["mean_field", "full_rank"])
+@pytest.mark.parametrize("family", ["mean_field", "full_rank", "low_rank"])
 def test_dp_optimisation_step_sum(family, relation):
     """The released query of a DP-SGD step, ``sum_i clip(g_i)`` of the per-example likelihood
     gradients over a batch holding every record (rate 1: the record is always in it). Full-rank: the
-    gradients of ``(loc, log_diag, offdiag)`` of a correlated ``q``, clipped jointly."""
+    gradients of ``(loc, log_diag, offdiag)`` of a correlated ``q``, clipped jointly; low-rank: of
+    ``(loc, log_scale, factor)``, the draws from ``D + r`` normals."""
     client = client_data(40)
     d = dppvi.DPPVI(logistic, method="dp_optimisation", batch_size=5, rounds=1, num_samples=3,
-                    privacy=Privacy(noise_multiplier=1.0, clip=CLIP), family=family)
+                    privacy=Privacy(noise_multiplier=1.0, clip=CLIP), family=family,
+                    **({"rank": 1} if family == "low_rank" else {}))
     d.init(jax.random.key(0), [client, client_data(40, 1)])
     params = {"loc": jnp.array([0.3, -0.2]), "log_scale": jnp.array([-1.0, -0.5])}
     if family == "full_rank":
         params = factors.to_params(factors.Gaussian(jnp.array([0.6, -0.9]), jnp.array([[-4.0, 1.5], [1.5, -3.0]])))
-    eps = jax.random.normal(jax.random.key(1), (3, 2))
+    if family == "low_rank":
+        params = factors.to_params(LOW_RANK_Q)
+    eps = jax.random.normal(jax.random.key(1), (3, 3 if family == "low_rank" else 2))
     released = jax.jit(lambda arrays: d.rule.clipped_sum(params, eps, arrays, jnp.ones(arrays[0].shape[0], bool)))
     base = released(client)
     bound = sensitivity(CLIP, relation_of(relation), "sum_of_records")
@@ -121,8 +129,9 @@ def shard_driver(method, shards, clients, trusted_aggregator=False, relation="ad
     privacy = Privacy(noise_multiplier=1.0, clip=CLIP, neighbouring=relation_of(relation))
     d = dppvi.DPPVI(logistic, method=method, shards=shards, privacy=privacy,
                     local_steps=3, num_samples=2, rounds=2,
-                    optimizer=Newton() if family == "full_rank" else optax.adam(5e-2),
-                    trusted_aggregator=trusted_aggregator, schedule="synchronous", family=family)
+                    optimizer=Newton() if family != "mean_field" else optax.adam(5e-2),
+                    trusted_aggregator=trusted_aggregator, schedule="synchronous", family=family,
+                    **({"rank": 1} if family == "low_rank" else {}))
     key_data = keys.key_data(jax.random.key(3))
     state = d._init(key_data, "user_key", clients)
     return d, key_data, state
@@ -145,26 +154,30 @@ def shard_inputs(d, key_data, clients, k_max, s_max):
 
 
 FULL_RANK_CASES = ["local_averaging (3 hashed shards)", "virtual_clients (one record each)"]
+LOW_RANK_CASES = ["local_averaging (3 hashed shards)", "parameter_perturbation"]
 
 
 @pytest.mark.slow
 @pytest.mark.parametrize("relation", RELATIONS)
 @pytest.mark.parametrize("case,family", [(c, "mean_field") for c in SHARD_CASES]
-                         + [(c, "full_rank") for c in FULL_RANK_CASES])
+                         + [(c, "full_rank") for c in FULL_RANK_CASES] + [(c, "low_rank") for c in LOW_RANK_CASES])
 def test_shard_release_over_two_rounds(case, family, relation):
     """``S_m = sum_k clip(Delta_k)`` in round 1 from the prior, and in round 2 from a common public q
     with each world's private state advanced by its own round 1 (the hidden state must not carry the
     difference beyond the bound). C = 0.05 with Adam: the setting in which the old shards moved 5C.
     Full-rank factors (issue 22): the same bound on the joint norm with the whole ``[D, D]`` change of
     ``eta2`` (Frobenius), the norm the symmetric noise is calibrated to; round 2 starts from a ``q``
-    with a correlation."""
+    with a correlation. Low-rank: the change's public coordinates ``(eta1, diag, core, sqrt 2 cross)``
+    (:func:`~numpyro_dppvi.pvi.low_rank.change_coordinates`), round 2 from a correlated rank-1 ``q``."""
     method, shards = SHARD_CASES[case]
     client = client_data(20)
     d, key_data, _ = shard_driver(method, shards, [client], relation=relation, family=family)
-    q0 = factors.as_family(d.adapter.prior, family)
+    q0 = factors.as_family(d.adapter.prior, family, factors.initial_basis(2, 1))
     q1 = factors.Gaussian(jnp.array([0.4, -0.3]), jnp.array([-1.5, -2.0]))
     if family == "full_rank":
         q1 = factors.Gaussian(q1.eta1, jnp.array([[-1.5, 0.4], [0.4, -2.0]]))
+    if family == "low_rank":
+        q1 = LOW_RANK_Q
     kind = d.plan.sensitivity_kind
     bound = sensitivity(CLIP, relation_of(relation), kind)
     assert kind == ("sum_of_records" if shards == ROWS else "shard_update")
