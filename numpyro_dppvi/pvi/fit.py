@@ -339,9 +339,9 @@ class DPPVI:
         ``"low_rank"`` with ``rank=r`` (default ``round(sqrt(D))``): a diagonal plus rank-``r`` precision in one
             public basis shared by ``q`` and every factor (:mod:`~numpyro_dppvi.pvi.low_rank`); ``method="pvi"`` (Newton
             steps, synchronous by default), ``"dp_optimisation"`` (parameters ``(loc, log s, W)``, ``2 D + D r``
-            noise coordinates), parameter perturbation and local averaging (releases in the public basis,
-            ``2 D + r (r + 1) / 2 + (D - r) r`` noise coordinates), :func:`fit_global_vi`; not yet virtual clients,
-            a trusted aggregator or client-level DP. ``r = D`` is the full-rank fit.
+            noise coordinates), parameter perturbation and local averaging (with or without a trusted aggregator) and
+            client-level DP (releases in the public basis, ``2 D + r (r + 1) / 2 + (D - r) r`` noise coordinates),
+            :func:`fit_global_vi`; not yet virtual clients. ``r = D`` is the full-rank fit.
     """
 
     def __init__(self, model, method: str = "pvi", schedule: str | None = None,
@@ -358,9 +358,9 @@ class DPPVI:
             raise ValueError(f"rank= sets the rank of family='low_rank'; family={family!r} has none")
         if rank is not None and (int(rank) != rank or rank < 1 or isinstance(rank, bool)):
             raise ValueError(f"rank must be a positive integer, got {rank!r}")
-        if family == "low_rank" and (method == "virtual_clients" or privacy_unit == "client" or trusted_aggregator):
-            raise ValueError("family='low_rank' is not available with virtual clients, a trusted aggregator or "
-                             "client-level DP so far; take family='full_rank' or 'mean_field' there")
+        if family == "low_rank" and method == "virtual_clients":
+            raise ValueError("family='low_rank' is not available with virtual clients so far; take "
+                             "family='full_rank' or 'mean_field', or method='local_averaging'")
         if method == "dp_optimisation" and isinstance(optimizer, Newton):
             raise ValueError("method='dp_optimisation' takes an optax optimizer on the privatised gradients "
                              "(optim.Newton needs the Hessians of the data, which DP-SGD does not release); with "

@@ -263,6 +263,9 @@ def client_level(rule, damping, state: PVIState, data, mask, sizes, key, limits,
     keys = jax.vmap(lambda i: jax.random.fold_in(k_clients, i))(jnp.arange(m))
     q_new, client_state, metrics = jax.vmap(rule.update, in_axes=(None, 0, 0, 0, 0, 0, 0))(
         q, cavities, data, mask, sizes, keys, state.client_state)
+    if factors.is_low_rank(q):
+        return _client_level_low_rank(rule, damping, state, stopped, part, cavities, q_new, client_state, metrics,
+                                      k_noise, clip, noise_std, invalid_rule, precision_floor)
     changes = jax.vmap(lambda a: clip_change(factors.divide(a, q), clip))(q_new)
     changes = Gaussian(*(jnp.where(_expand(part, c), c, 0.0) for c in changes))
     released = release_change(k_noise, factors.product(changes), noise_std)
@@ -279,3 +282,44 @@ def client_level(rule, damping, state: PVIState, data, mask, sizes, key, limits,
         client_state=client_state, round=state.round + 1, communications=state.communications + jnp.sum(part))
     return new_state, {"valid": factors.is_proper(new_q), "loss": metrics["loss"], "participated": part,
                        "failed": jnp.zeros(m, bool), "invalid": invalid, "stopped": stopped}
+
+
+def low_rank_client_changes(q: Gaussian, cavities: Gaussian, q_new: Gaussian, part, clip):
+    """Each participant's change in public coordinates (:func:`~.low_rank.change_coordinates` of its dense answer),
+    clipped jointly to ``clip``; zero for the others. Their sum is client-level DP's release before the noise."""
+    changes = jax.vmap(lambda c, a: clip_change(low_rank.change_coordinates(q, c, factors.to_full_rank(a)), clip))(
+        cavities, q_new)
+    return jax.tree.map(lambda c: jnp.where(_expand(part, c), c, 0.0), changes)
+
+
+def _client_level_low_rank(rule, damping, state, stopped, part, cavities, q_new, client_state, metrics, k_noise,
+                           clip, noise_std, invalid_rule, precision_floor):
+    """:func:`client_level` for low-rank factors: each participant's change in public coordinates
+    (:func:`~.low_rank.change_coordinates`, from its dense answer), clipped jointly to ``C``, summed and released
+    with isotropic noise (:func:`~.low_rank.release_coordinates`); the proposal completed with ``q``'s core, each
+    participant's factor moved by its own coordinates and its share of the completion, the remainder to the
+    server's noise factor (:func:`~.low_rank.settle_aggregate`). Sensitivity: one client's clipped coordinates,
+    ``C`` (``2C`` replaced), as for the other families."""
+    m = part.shape[0]
+    q = state.q
+    basis = q.eta2.basis
+    changes = low_rank_client_changes(q, cavities, q_new, part, clip)
+    released = release_change(k_noise, jax.tree.map(lambda c: jnp.sum(c, axis=0), changes), noise_std, basis)
+    proposal = low_rank.from_coordinates(q, q, released, 1.0, noise_std)
+    proposal, invalid = apply_invalid_rule(q, proposal, damping, invalid_rule, precision_floor)
+    accepted = ~invalid if invalid_rule == "reject" else jnp.ones((), bool)
+    new_q = factors.damp(low_rank.in_basis_of(q, proposal), proposal, damping)
+    inverse = low_rank.completion_inverse(q.eta2.core + released["core"], noise_std)
+    weight = jnp.where(part & accepted, damping, 0.0)
+    own = jax.vmap(low_rank.own_change, in_axes=(0, None, None, None, 0))(changes, released, inverse, basis, weight)
+    new_q, new_factors, noise_factor, server_factor, dropped = low_rank.settle_aggregate(
+        q, new_q, own, state.factors, state.noise_factor, state.server_factor, rule.rank)
+    client_state = jax.tree.map(lambda new, old: jnp.where(_expand(part & accepted, new), new, old),
+                                client_state, state.client_state)
+    new_state = charge(state, state.active)._replace(
+        q=new_q, factors=new_factors, noise_factor=noise_factor, server_factor=server_factor,
+        q_seen=broadcast(new_q, m), client_state=client_state, round=state.round + 1,
+        communications=state.communications + jnp.sum(part))
+    return new_state, {"valid": factors.is_proper(new_q), "loss": metrics["loss"], "participated": part,
+                       "failed": jnp.zeros(m, bool), "invalid": invalid, "stopped": stopped,
+                       "low_rank_truncation": dropped}

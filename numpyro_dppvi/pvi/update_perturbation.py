@@ -328,11 +328,9 @@ def trusted_aggregator_round(rule: ShardRule, damping, state, data, mask, sizes,
     summed, tentative = jax.vmap(rule.contribution, in_axes=(None, 0, 0, 0, 0, 0))(
         q, cavities, data, mask, contribution_keys, cs)
     scale = jax.vmap(rule.scale)(cs["num_shards"])
-    count = jnp.maximum(jnp.sum(participating), 1)
-    largest = jnp.max(jnp.where(participating, scale, 0.0))
-    with noise._x64():  # in float64, rounded up: no participant's share below its calibrated std (issue 24)
-        f64 = lambda v: jnp.asarray(v).astype(jnp.float64)
-        share = noise.to_float32_up(f64(cs["noise_std"]) * f64(largest) / (f64(scale) * jnp.sqrt(f64(count))))
+    if factors.is_low_rank(q):
+        return _trusted_aggregator_low_rank(rule, damping, state, summed, tentative, scale, noise_keys, participating)
+    share = _shares(cs, scale, participating)  # in float64, rounded up: none below its calibrated std (issue 24)
     sent = jax.vmap(lambda k, s, std, c: factors.scale(release_change(k, s, std), c))(
         noise_keys, summed, share, scale)
     aggregate = factors.product(Gaussian(*(jnp.where(_expand(participating, x), x, 0.0) for x in sent)))
@@ -353,6 +351,49 @@ def trusted_aggregator_round(rule: ShardRule, damping, state, data, mask, sizes,
     valid = factors.is_proper(new_q)
     return new_state, {"valid": valid, "loss": jnp.zeros(m), "participated": participating,
                        "failed": jnp.zeros(m, bool), "invalid": invalid}
+
+
+def _shares(cs, scale, participating):
+    """Each participant's noise share (see :func:`trusted_aggregator_round`), in float64 rounded up."""
+    count = jnp.maximum(jnp.sum(participating), 1)
+    largest = jnp.max(jnp.where(participating, scale, 0.0))
+    with noise._x64():
+        f64 = lambda v: jnp.asarray(v).astype(jnp.float64)
+        return noise.to_float32_up(f64(cs["noise_std"]) * f64(largest) / (f64(scale) * jnp.sqrt(f64(count))))
+
+
+def _trusted_aggregator_low_rank(rule, damping, state, summed, tentative, scale, noise_keys, participating):
+    """:func:`trusted_aggregator_round` for low-rank factors: the shares and the aggregate in public coordinates
+    (:func:`~numpyro_dppvi.pvi.low_rank.release_coordinates`), the proposal completed with ``q``'s core (the sum of
+    every factor's, public), each client's factor moved by its own unnoised, completed coordinates and the
+    remainder given to the server's noise factor (:func:`~numpyro_dppvi.pvi.low_rank.settle_aggregate`). The
+    sensitivity argument is the shard releases' (the coordinates' norm is the one clipped and noised)."""
+    m = participating.shape[0]
+    q, cs = state.q, state.client_state
+    basis = q.eta2.basis
+    share = _shares(cs, scale, participating)
+    sent = jax.vmap(lambda k, s, std, c: jax.tree.map(lambda x: x * c, release_change(k, s, std, basis)))(
+        noise_keys, summed, share, scale)
+    aggregate = jax.tree.map(lambda x: jnp.sum(jnp.where(_expand(participating, x), x, 0.0), axis=0), sent)
+    noise_std = jnp.max(jnp.where(participating, share * scale, 0.0))
+    proposal = low_rank.from_coordinates(q, q, aggregate, 1.0, noise_std)
+    proposal, invalid = apply_invalid_rule(q, proposal, damping, rule.invalid, rule.precision_floor)
+    accepted = ~invalid if rule.invalid == "reject" else jnp.ones((), bool)
+    new_q = factors.damp(low_rank.in_basis_of(q, proposal), proposal, damping)
+    inverse = low_rank.completion_inverse(q.eta2.core + aggregate["core"], noise_std)
+    weight = jnp.where(participating & accepted, damping, 0.0)
+    mine = jax.vmap(lambda c, s: jax.tree.map(lambda x: x * s, c))(summed, scale)
+    own = jax.vmap(low_rank.own_change, in_axes=(0, None, None, None, 0))(mine, aggregate, inverse, basis, weight)
+    new_q, new_factors, noise_factor, server_factor, dropped = low_rank.settle_aggregate(
+        q, new_q, own, state.factors, state.noise_factor, state.server_factor, rule.rank)
+    commit = jax.vmap(rule.commit)(cs, tentative, participating & accepted)
+    client_state = jax.tree.map(lambda new, old: jnp.where(_expand(participating, new), new, old), commit, cs)
+    new_state = state._replace(
+        q=new_q, factors=new_factors, noise_factor=noise_factor, server_factor=server_factor,
+        q_seen=_broadcast(new_q, m), client_state=client_state,
+        round=state.round + 1, communications=state.communications + jnp.sum(participating))
+    return new_state, {"valid": factors.is_proper(new_q), "loss": jnp.zeros(m), "participated": participating,
+                       "failed": jnp.zeros(m, bool), "invalid": invalid, "low_rank_truncation": dropped}
 
 
 def _masked_sum(deltas, valid):
@@ -378,7 +419,7 @@ def propose(q: Gaussian, cavity: Gaussian, released, scale, noise_std=0.0) -> Ga
 
 
 def _broadcast(g: Gaussian, m: int) -> Gaussian:
-    return Gaussian(jnp.broadcast_to(g.eta1, (m,) + g.eta1.shape), jnp.broadcast_to(g.eta2, (m,) + g.eta2.shape))
+    return jax.tree.map(lambda x: jnp.broadcast_to(x, (m,) + x.shape), g)
 
 
 def _expand(flag, x):

@@ -306,6 +306,47 @@ def test_client_level_aggregate(family, relation):
     assert worst > 0.3 * bound
 
 
+@pytest.mark.parametrize("relation", ["add", "remove", "replace"])
+def test_client_level_low_rank_release(relation):
+    """Client-level DP with a low-rank q: the released sum of the clients' clipped public coordinates
+    (:func:`~numpyro_dppvi.pvi.server.low_rank_client_changes`) moves by at most C (add/remove) or 2C (replace)
+    when one client's data is added, removed or replaced (the coupling of :func:`test_client_level_aggregate`);
+    each client's local step runs from the same correlated rank-1 ``q`` with its own (zero) factor."""
+    rng = np.random.default_rng(5)
+    clients = [client_data(20, s) for s in range(4)]
+    privacy = Privacy(noise_multiplier=1.0, clip=CLIP)
+
+    def released(client_set):
+        d = dppvi.DPPVI(logistic, method="pvi", privacy_unit="client", client_rate=1.0, privacy=privacy,
+                        schedule="synchronous", local_steps=5, num_samples=2, rounds=1, family="low_rank", rank=1)
+        d._init(keys.key_data(jax.random.key(3)), "user_key", client_set)
+        m = len(client_set)
+        q = LOW_RANK_Q
+        cavities = server.broadcast(q, m)
+        k = jax.vmap(lambda i: jax.random.fold_in(jax.random.key(4), i))(jnp.arange(m))
+        q_new, _, _ = jax.vmap(d.rule.update, in_axes=(None, 0, 0, 0, 0, 0, None))(
+            q, cavities, d.data, d.mask, d.sizes, k, ())
+        changes = server.low_rank_client_changes(q, cavities, q_new, jnp.ones(m, bool), CLIP)
+        return jax.tree.map(lambda c: jnp.sum(c, axis=0), changes)
+
+    base = released(clients)
+    bound = sensitivity(CLIP, relation_of(relation), "sum_of_records")
+    worst = 0.0
+    for _ in range(2):
+        extreme = (rng.normal(size=(20, 2)).astype(np.float32) * 5, np.ones(20, np.float32))
+        if relation == "add":
+            other = clients + [extreme]
+        elif relation == "remove":
+            other = clients[:-1]
+        else:
+            other = list(clients)
+            other[int(rng.integers(0, 4))] = extreme
+        change = distance(released(other), base)
+        assert change <= bound * SLACK, (relation, change / CLIP)
+        worst = max(worst, change)
+    assert worst > 0.3 * bound
+
+
 # --------------------------------------------------------------------------- VIPS
 
 VIPS_MODELS = {
