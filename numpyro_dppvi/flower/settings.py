@@ -68,7 +68,8 @@ class LocalSettings:
         if not 0.0 <= float(self.tail_average) < 1.0:
             raise SettingsError(f"tail-average must be in [0, 1), got {self.tail_average}")
         if self.family not in FAMILIES:
-            raise SettingsError(f"family={self.family!r} is not known; use one of {FAMILIES}")
+            extra = " (family='low_rank' runs in process, fit_dppvi; not on Flower yet)" if self.family == "low_rank" else ""
+            raise SettingsError(f"family={self.family!r} is not available on Flower; use one of {FAMILIES}{extra}")
         if self.optimizer == "newton" and not 0.0 < self.learning_rate <= 0.5:
             raise SettingsError(f"optimizer='newton' takes learning-rate as its precision step, in (0, 0.5]; got "
                                 f"{self.learning_rate}")

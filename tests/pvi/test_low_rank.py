@@ -126,6 +126,7 @@ def test_low_rank_save_load_and_draws(tmp_path):
     result.save(path)
     loaded = dppvi.load(path, linear)
     assert loaded.family == "low_rank"
+    assert set(result.summary(num_samples=200, rng_key=jax.random.key(1))["family"]) == {"low_rank"}
     for a, b in zip(jax.tree.leaves(result.q), jax.tree.leaves(loaded.q)):
         np.testing.assert_array_equal(np.asarray(a), np.asarray(b))
     draws = result.sample(4000, rng_key=jax.random.key(3))["w"]
@@ -308,3 +309,21 @@ def test_the_release_noise_lives_in_as_many_coordinates_as_the_ledger_charges():
     cross = np.asarray(noise["cross"], np.float64)
     np.testing.assert_allclose(np.abs(np.einsum("di,ndj->nij", np.asarray(basis), cross)).max(), 0.0, atol=1e-5)
     np.testing.assert_allclose(np.sum(np.var(cross, axis=0)), (dim - rank) * rank * std ** 2, rtol=0.05)
+
+
+@pytest.mark.filterwarnings("ignore::numpyro_dppvi.diagnostics.NoiseWarning")
+@pytest.mark.parametrize("method", ["dp_optimisation", "local_averaging"])
+def test_a_private_low_rank_fit_resumes_with_its_ledger(tmp_path, method):
+    """Checkpoint after 2 rounds and resume to 4: the same q (diagonal, core and basis) and the same ledger as 4
+    uninterrupted rounds."""
+    clients = split(correlated_data())
+    settings = dict(method=method, family="low_rank", rank=1, privacy=dppvi.Privacy(epsilon=4.0, delta=1e-5, clip=2.0))
+    settings.update(dict(shards=3) if method == "local_averaging" else dict(batch_size=10))
+    whole = dppvi.DPPVI(linear, rounds=4, **settings).run(jax.random.key(5), clients, 4)
+    path = tmp_path / "fit.ckpt"
+    dppvi.DPPVI(linear, rounds=4, **settings).run(jax.random.key(5), clients, 2, checkpoint=path)
+    resumed = dppvi.DPPVI(linear, rounds=4, **settings).resume(path, clients, 4)
+    for a, b in zip(jax.tree.leaves(whole.q), jax.tree.leaves(resumed.q)):
+        np.testing.assert_array_equal(np.asarray(a), np.asarray(b))
+    assert resumed.privacy.epsilon == whole.privacy.epsilon
+    assert resumed.family == "low_rank"
