@@ -251,7 +251,10 @@ class NonPrivateLowRank(NonPrivateFullRank):
 class ServerFactorStepLowRank(ServerFactorStepFullRank):
     """The server's prior factor ``t_0`` for low-rank ``q``: :class:`~.full_rank.ServerFactorStepFullRank` on the
     dense ``q``, keeping the diagonal of ``t_0``'s precision (exact when the server-held sites are independent
-    scalars, as their prior's curvature is then diagonal; otherwise its diagonal). ``q``'s basis is kept."""
+    scalars, as their prior's curvature is then diagonal; otherwise its diagonal) and the dense step's mean
+    (``eta1 = Lambda' mu``: a hierarchical prior couples a scale with its coefficients, and keeping ``eta1``
+    with the off-diagonal curvature dropped moved a Poisson regression's mean by 1.8 posterior sd). ``q``'s
+    basis is kept."""
 
     def update(self, q: Gaussian, cavity: Gaussian, key) -> Gaussian:
         if not any(self.mask):
@@ -259,8 +262,9 @@ class ServerFactorStepLowRank(ServerFactorStepFullRank):
         dense = super().update(factors.to_full_rank(q), factors.to_full_rank(cavity), key)
         t0 = factors.divide(dense, factors.to_full_rank(cavity))
         low = cavity.eta2
-        diag = jnp.diagonal(t0.eta2)
-        return Gaussian(cavity.eta1 + t0.eta1, LowRank(low.diag + diag, low.core, low.basis))
+        eta2 = LowRank(low.diag + jnp.diagonal(t0.eta2), low.core, low.basis)
+        mean, _ = factors.mean_and_precision(dense)
+        return Gaussian(-2.0 * eta2.dense() @ mean, eta2)
 
 
 SQRT2 = 2.0 ** 0.5
