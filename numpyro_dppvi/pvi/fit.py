@@ -358,13 +358,14 @@ class DPPVI:
             raise ValueError(f"rank= sets the rank of family='low_rank'; family={family!r} has none")
         if rank is not None and (int(rank) != rank or rank < 1 or isinstance(rank, bool)):
             raise ValueError(f"rank must be a positive integer, got {rank!r}")
-        if family == "low_rank" and method == "virtual_clients":
-            raise ValueError("family='low_rank' is not available with virtual clients so far; take "
-                             "family='full_rank' or 'mean_field', or method='local_averaging'")
         if method == "dp_optimisation" and isinstance(optimizer, Newton):
             raise ValueError("method='dp_optimisation' takes an optax optimizer on the privatised gradients "
                              "(optim.Newton needs the Hessians of the data, which DP-SGD does not release); with "
                              "family='full_rank' it moves the mean and the Cholesky factor of the covariance")
+        if family == "low_rank" and method == "virtual_clients":
+            raise ValueError("family='low_rank' is not available with virtual clients: each virtual factor would "
+                             "need the server's changes of basis, which only the sum of its client's releases "
+                             "follows; take family='full_rank' or 'mean_field', or method='local_averaging'")
         if family in ("full_rank", "low_rank") and method != "dp_optimisation" and optimizer is not None and not isinstance(optimizer, Newton):
             raise ValueError(f"family={family!r} takes Newton steps with exact expected Hessians: pass "
                              "optimizer=optim.Newton(precision_step=...) or leave optimizer out (optax "

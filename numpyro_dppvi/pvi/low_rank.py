@@ -193,9 +193,17 @@ def widened_basis(basis: jax.Array, answers: jax.Array) -> jax.Array:
     """``orth[B, E_1, ...]``: ``basis`` ``[D, r]`` and the answers' bases ``[..., D, k]`` (their first ``r``
     columns are ``B``); a Householder QR, whose columns are orthonormal even where the stack is rank-deficient
     and whose first ``r`` span ``B``."""
-    r = basis.shape[-1]
-    extra = answers[..., r:]
-    extra = jnp.moveaxis(extra, -2, 0).reshape(basis.shape[0], -1)
+    return _orthonormal(basis, _columns(answers[..., basis.shape[-1]:]))
+
+
+def _columns(stacked: jax.Array) -> jax.Array:
+    """The columns of stacked ``[..., D, k]`` matrices side by side, ``[D, (...) k]``."""
+    return jnp.moveaxis(stacked, -2, 0).reshape(stacked.shape[-2], -1)
+
+
+def _orthonormal(basis: jax.Array, extra: jax.Array) -> jax.Array:
+    """``orth[basis, extra]`` by a Householder QR (orthonormal columns even where ``extra`` is rank-deficient; the
+    first ``r`` span ``basis``)."""
     return jnp.linalg.qr(jnp.concatenate([basis, extra], axis=1))[0]
 
 
@@ -382,19 +390,19 @@ def own_change(mine: dict, aggregate: dict, inverse: jax.Array, basis: jax.Array
 
 
 def settle_aggregate(q: Gaussian, new_q: Gaussian, own: Gaussian, factor_states: Gaussian, noise_factor: Gaussian,
-                     server_factor: Gaussian, rank: int):
+                     server_factor: Gaussian, rank: int, private=()):
     """After an aggregate round (trusted aggregator, client-level DP): ``new_q`` (basis ``[B, E_aggregate]``), each
     client's ``own`` change (stacked, bases ``[B, E_m]``) and the state's factors, all in ``q``'s basis ``B``.
     Widens the basis by every answer's columns, adds each own change to its factor and the remainder
     ``new_q - q - sum_m own_m`` (the noise, and the completion's share of it) to the server's noise factor, so that
     ``q = prior * t_0 * prod_m t_m * t_noise`` stays exact, then truncates to ``rank`` keeping ``q``'s mean
-    (:func:`truncate_tree`). Returns ``(q', factors', noise_factor', server_factor', dropped share)``."""
+    (:func:`truncate_tree`); ``private`` (the clients' private states) is rebased alike. Returns
+    ``(q', factors', noise_factor', server_factor', private', dropped share)``."""
     r = q.eta2.basis.shape[-1]
-    extra = jnp.concatenate([new_q.eta2.basis[..., r:], own.eta2.basis[..., r:].reshape(q.eta2.basis.shape[0], -1)],
-                            axis=-1)
-    wide = widened_basis(q.eta2.basis, jnp.concatenate([q.eta2.basis, extra], axis=-1))
+    wide = _orthonormal(q.eta2.basis, jnp.concatenate([new_q.eta2.basis[:, r:], _columns(own.eta2.basis[..., r:])], 1))
     q_w, new_w, own_w = rebase(q, wide), rebase(new_q, wide), rebase(own, wide)
-    factor_w, noise_w, server_w = rebase_tree((factor_states, noise_factor, server_factor), wide)
+    factor_w, noise_w, server_w, private_w = rebase_tree((factor_states, noise_factor, server_factor, private), wide)
     remainder = factors.divide(factors.divide(new_w, q_w), factors.product(own_w))
-    settled = (new_w, factors.multiply(factor_w, own_w), factors.multiply(noise_w, remainder), server_w)
-    return (*truncate_tree(settled, new_w, rank)[0], truncate_tree((new_w,), new_w, rank)[1])
+    settled = (new_w, factors.multiply(factor_w, own_w), factors.multiply(noise_w, remainder), server_w, private_w)
+    moved, dropped = truncate_tree(settled, new_w, rank)
+    return (*moved, dropped)

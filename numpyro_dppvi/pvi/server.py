@@ -100,21 +100,22 @@ def synchronous(rule, damping, state: PVIState, data, mask, sizes, key, limits):
     # gradients, or a non-private step) is dropped: post-processing of the releases.
     failed = state.active & ~jax.vmap(_finite)(q_new)
     ok = state.active & ~failed
+    client_state = jax.tree.map(lambda new, old: jnp.where(_expand(ok, new), new, old), client_state, state.client_state)
     extra = {}
     if factors.is_low_rank(q):  # the changes' bases [B, E_m] widen B; then q is truncated to rank r
         delta = low_rank.changes(q, q_new, ok, damping)
         wide = low_rank.widened_basis(q.eta2.basis, delta.eta2.basis)
-        delta, (q, old_factors, t0, t_noise) = low_rank.rebase(delta, wide), low_rank.rebase_tree(
-            (q, state.factors, state.server_factor, state.noise_factor), wide)
+        # the clients' private states (virtual factors) are rebased with everything else
+        delta, (q, old_factors, t0, t_noise, client_state) = low_rank.rebase(delta, wide), low_rank.rebase_tree(
+            (q, state.factors, state.server_factor, state.noise_factor, client_state), wide)
         new_q = factors.multiply(q, factors.product(delta))
-        (new_q, new_factors, t0, t_noise), extra["low_rank_truncation"] = low_rank.truncate_tree(
-            (new_q, factors.multiply(old_factors, delta), t0, t_noise), new_q, rule.rank)
+        (new_q, new_factors, t0, t_noise, client_state), extra["low_rank_truncation"] = low_rank.truncate_tree(
+            (new_q, factors.multiply(old_factors, delta), t0, t_noise, client_state), new_q, rule.rank)
         state = state._replace(server_factor=t0, noise_factor=t_noise)
     else:
         delta = Gaussian(*(jnp.where(_expand(ok, new), damping * (new - q_), 0.0) for new, q_ in zip(q_new, broadcast(q, m))))
         new_factors = factors.multiply(state.factors, delta)
         new_q = factors.multiply(q, factors.product(delta))
-    client_state = jax.tree.map(lambda new, old: jnp.where(_expand(ok, new), new, old), client_state, state.client_state)
     cavity_ok = jax.vmap(factors.is_proper)(cavities) | ~state.active | (not getattr(rule, "uses_client_cavity", True))
     valid = jnp.all(cavity_ok) & factors.is_proper(new_q)
     new_state = charge(state, state.active)._replace(
@@ -312,10 +313,10 @@ def _client_level_low_rank(rule, damping, state, stopped, part, cavities, q_new,
     inverse = low_rank.completion_inverse(q.eta2.core + released["core"], noise_std)
     weight = jnp.where(part & accepted, damping, 0.0)
     own = jax.vmap(low_rank.own_change, in_axes=(0, None, None, None, 0))(changes, released, inverse, basis, weight)
-    new_q, new_factors, noise_factor, server_factor, dropped = low_rank.settle_aggregate(
-        q, new_q, own, state.factors, state.noise_factor, state.server_factor, rule.rank)
     client_state = jax.tree.map(lambda new, old: jnp.where(_expand(part & accepted, new), new, old),
                                 client_state, state.client_state)
+    new_q, new_factors, noise_factor, server_factor, client_state, dropped = low_rank.settle_aggregate(
+        q, new_q, own, state.factors, state.noise_factor, state.server_factor, rule.rank, client_state)
     new_state = charge(state, state.active)._replace(
         q=new_q, factors=new_factors, noise_factor=noise_factor, server_factor=server_factor,
         q_seen=broadcast(new_q, m), client_state=client_state, round=state.round + 1,

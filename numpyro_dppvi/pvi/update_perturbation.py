@@ -384,10 +384,10 @@ def _trusted_aggregator_low_rank(rule, damping, state, summed, tentative, scale,
     weight = jnp.where(participating & accepted, damping, 0.0)
     mine = jax.vmap(lambda c, s: jax.tree.map(lambda x: x * s, c))(summed, scale)
     own = jax.vmap(low_rank.own_change, in_axes=(0, None, None, None, 0))(mine, aggregate, inverse, basis, weight)
-    new_q, new_factors, noise_factor, server_factor, dropped = low_rank.settle_aggregate(
-        q, new_q, own, state.factors, state.noise_factor, state.server_factor, rule.rank)
     commit = jax.vmap(rule.commit)(cs, tentative, participating & accepted)
     client_state = jax.tree.map(lambda new, old: jnp.where(_expand(participating, new), new, old), commit, cs)
+    new_q, new_factors, noise_factor, server_factor, client_state, dropped = low_rank.settle_aggregate(
+        q, new_q, own, state.factors, state.noise_factor, state.server_factor, rule.rank, client_state)
     new_state = state._replace(
         q=new_q, factors=new_factors, noise_factor=noise_factor, server_factor=server_factor,
         q_seen=_broadcast(new_q, m), client_state=client_state,
