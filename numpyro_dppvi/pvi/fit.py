@@ -119,6 +119,9 @@ ADVICE = {
     "fit_global_vi": "lower the optimizer's learning rate or `steps_per_round`",
     "fit_bcm": "lower `local_steps` or the optimizer's learning rate",
 }
+#: Added to ``ADVICE`` for a low-rank fit: its truncation can make a cavity improper (pvi/low_rank.py).
+LOW_RANK_ADVICE = ("; with family='low_rank' a truncation to rank r can make a cavity improper: a higher `rank`, "
+                   "or family='full_rank' (up to a few hundred latents), keeps more of each factor")
 #: What to change when q is still drifting at the end of a fit.
 CONVERGENCE_ADVICE = {
     "fit_dppvi": "Run more rounds (resume=checkpoint continues a fit){faster}",
@@ -164,10 +167,6 @@ def convergence_advice(caller: str, schedule: str | None, family: str = "mean_fi
 RESUME_SETTINGS = ("method", "schedule", "local_steps", "batch_size", "num_samples", "damping", "server_steps",
                    "shards", "invalid", "precision_floor", "trusted_aggregator", "privacy_unit", "client_rate",
                    "planned_rounds", "tail_average", "family", "rank", "privacy")
-#: The default schedule of ``family="low_rank"``: on a regression with covariates correlated 0.95 (D = 4,
-#: 4 clients, r = 1, 20 rounds) synchronous rounds give sds 0.997-1.008x the exact ones, sequential rounds
-#: 0.93-1.15x (every arrival truncates the other factors anew); the means are exact in both.
-LOW_RANK_SCHEDULE = "synchronous"
 #: What a checkpoint written before a setting existed meant by it.
 SAVED_BEFORE = {"family": "mean_field", "rank": None}
 
@@ -338,7 +337,7 @@ class DPPVI:
             coordinates (mean-field ``2 D``).
         ``"low_rank"`` with ``rank=r`` (default ``round(sqrt(D))``): a diagonal plus rank-``r`` precision in one
             public basis shared by ``q`` and every factor (:mod:`~numpyro_dppvi.pvi.low_rank`); ``method="pvi"`` (Newton
-            steps, synchronous by default), ``"dp_optimisation"`` (parameters ``(loc, log s, W)``, ``2 D + D r``
+            steps), ``"dp_optimisation"`` (parameters ``(loc, log s, W)``, ``2 D + D r``
             noise coordinates), parameter perturbation and local averaging (with or without a trusted aggregator) and
             client-level DP (releases in the public basis, ``2 D + r (r + 1) / 2 + (D - r) r`` noise coordinates),
             :func:`fit_global_vi`; not yet virtual clients. ``r = D`` is the full-rank fit.
@@ -374,8 +373,6 @@ class DPPVI:
             raise ValueError("optim.Newton is the local step of family='full_rank'; pass family='full_rank' or an "
                              "optax optimizer")
         defaults = METHOD_DEFAULTS.get(method, {})
-        if schedule is None and family == "low_rank":
-            schedule = LOW_RANK_SCHEDULE
         schedule = default_schedule(method, trusted_aggregator, privacy_unit) if schedule is None else schedule
         if family in ("full_rank", "low_rank") and optimizer is None and method != "dp_optimisation":
             optimizer = Newton()
@@ -678,7 +675,8 @@ class DPPVI:
         if not bool(metrics["valid"]):
             raise FloatingPointError(
                 f"round {int(state.round) + 1} produced an invalid posterior or cavity (non-finite or "
-                f"non-positive precision); the previous state is kept. In {self.caller}, {ADVICE[self.caller]}."
+                f"non-positive precision); the previous state is kept. In {self.caller}, {ADVICE[self.caller]}"
+                + (LOW_RANK_ADVICE if self.family == "low_rank" else "") + "."
             )
         return new_state, metrics
 

@@ -34,9 +34,14 @@ share of ``q``'s core, ``||gamma_dropped|| / ||gamma||``) is reported per round 
 truncation that leaves ``q`` improper makes the round invalid, as any invalid update (:class:`FitDiverged`).
 
 **Measured** (``tests/pvi/test_low_rank.py``; covariates correlated 0.95, ``D = 4``, 4 clients, ``r = 1``):
-synchronous rounds give sds 0.997-1.008x the exact ones (mean-field about 0.35x), sequential rounds 0.93-1.15x
-(each arrival truncates the other factors anew), hence the synchronous default; the means are exact (under
-1e-3 sd) in both, since the truncation keeps ``q``'s mean (:func:`truncate_tree`).
+synchronous rounds give sds 0.997-1.008x the exact ones (mean-field about 0.35x), sequential rounds (the
+default) 0.93-1.15x (each arrival truncates the other factors anew); the means are exact (under 1e-3 sd) in
+both, since the truncation keeps ``q``'s mean (:func:`truncate_tree`). Synchronous rounds need damping of about
+``1/M`` here as elsewhere: at damping 1 an AR(1) model's split in time made a cavity improper in round 2.
+**Properness is not guaranteed**: the truncation keeps ``q`` proper when every factor's low-rank part is
+positive semi-definite, but a cavity ``q / t_m`` can lose it (each factor's truncated part moves to its own
+diagonal, which may then fall); such a round is invalid and the fit stops with :class:`FitDiverged` (on
+NumPyro's Hilbert-space GP example in round 3), whose advice names a higher rank or ``family="full_rank"``.
 
 **DP optimisation** moves ``(mu, log s, W)`` with the precision ``S^{-1} (I + W W^T) S^{-1}``
 (:func:`~numpyro_dppvi.factors.to_params`; :class:`~.local.DPOptimisation`): ``2 D + D r`` noise coordinates per
