@@ -40,9 +40,9 @@ both, since the truncation keeps ``q``'s mean (:func:`truncate_tree`). Synchrono
 ``1/M`` here as elsewhere: at damping 1 an AR(1) model's split in time made a cavity improper in round 2.
 **Properness is not guaranteed**: the truncation keeps ``q`` proper when every factor's low-rank part is
 positive semi-definite, but a cavity ``q / t_m`` can lose it (each factor's truncated part moves to its own
-diagonal, which may then fall); such a round is invalid and the fit stops with :class:`FitDiverged` (on
-NumPyro's Hilbert-space GP example in round 3 for one key of two), whose advice names a higher rank or
-``family="full_rank"``.
+diagonal, which may then fall), and so can a client's answer whose split's diagonal is negative; such a round is
+invalid and the fit stops with :class:`FitDiverged` (NumPyro's Hilbert-space GP example in round 3, a
+zero-inflated Poisson regression in round 1), whose advice names a higher rank or ``family="full_rank"``.
 
 **DP optimisation** moves ``(mu, log s, W)`` with the precision ``S^{-1} (I + W W^T) S^{-1}``
 (:func:`~numpyro_dppvi.factors.to_params`; :class:`~.local.DPOptimisation`): ``2 D + D r`` noise coordinates per
@@ -54,12 +54,12 @@ coordinates (:func:`change_coordinates`: the diagonal, the core in ``B`` and the
 / 2 + (D - r) r`` of them, :func:`~numpyro_dppvi.factors.num_coordinates`), clipped jointly and noised
 isotropically (:func:`release_coordinates`); the server completes the change outside ``B`` with the client's
 public factor (:func:`from_coordinates`, a Nystrom completion). Negligible noise, rank 1: parameter perturbation
-reaches the non-private fixed point, local averaging (3 shards) sds 1.055-1.095x and means up to 0.25 sd off.
+reaches the non-private fixed point, local averaging (3 shards) sds 1.03-1.05x and means up to 0.32 sd off.
 **A trusted aggregator and client-level DP** release only the sum of the clients' coordinates: the server
 completes the sum once, with ``q``'s core, and each client's factor takes its own coordinates and its share of
 that completion (:func:`own_change`, linear: the shares add up), the remainder (the noise) the server's noise
 factor (:func:`settle_aggregate`). Negligible noise, rank 1: sds 1.003-1.027x, means up to 0.19 sd off (local
-averaging 1.06-1.12x, 0.48 sd). Virtual clients do not take this family yet (their per-shard factors would have to be
+averaging 1.03-1.07x, 0.54 sd). Virtual clients do not take this family yet (their per-shard factors would have to be
 rebased with every change of basis).
 """
 
@@ -141,12 +141,9 @@ def diagonal_plus_low_rank(precision: jax.Array, rank: int, iterations: int = 30
     exact: alternating projections (factor analysis' principal-axis iteration): ``d = diag(T - V S V^T)``, then
     ``V, S`` the ``r`` largest eigenpairs of ``T - diag(d)`` (``S >= 0``: negative eigenvalues set to 0; ``signed``:
     the ``r`` largest in absolute value, for a change, which may remove precision). Exact when ``T`` is diagonal
-    plus a rank ``r`` term of that kind, after the iteration has converged.
-
-    Unsigned, a diagonal with a negative entry is replaced by the principal-component split (``L`` the ``r``
-    largest eigenpairs of ``T`` itself, ``d = diag(T - L)``): for a positive semi-definite ``T`` its ``d`` is
-    non-negative, so a proper cavity times the factor stays proper (the iteration's ``d`` went negative on a
-    zero-inflated Poisson regression, ``D = 10``, ``r = 3``, and the client's answer was improper)."""
+    plus a rank ``r`` term of that kind, after the iteration has converged. The diagonal may come out negative
+    (a zero-inflated Poisson regression, ``D = 10``, ``r = 3``: the client's answer was improper and the fit
+    stopped in round 1)."""
     sym = 0.5 * (precision + precision.T)
 
     def step(low, _):
@@ -157,12 +154,7 @@ def diagonal_plus_low_rank(precision: jax.Array, rank: int, iterations: int = 30
     low, _ = jax.lax.scan(step, jnp.zeros_like(sym), None, length=iterations)
     d = jnp.diagonal(sym - low)
     values, vectors = _top(*jnp.linalg.eigh(low), rank, signed)
-    if signed:
-        return d, values, vectors
-    pca_values, pca_vectors = _top(*jnp.linalg.eigh(sym), rank, False)
-    pca_d = jnp.diagonal(sym - (pca_vectors * pca_values) @ pca_vectors.T)
-    keep = jnp.all(d >= 0)
-    return jnp.where(keep, d, pca_d), jnp.where(keep, values, pca_values), jnp.where(keep, vectors, pca_vectors)
+    return d, values, vectors
 
 
 def answer(q: Gaussian, cavity: Gaussian, q_dense_new: Gaussian, rank: int) -> Gaussian:

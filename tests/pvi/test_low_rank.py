@@ -260,20 +260,19 @@ def test_adult_at_epsilon_one_low_rank_matches_mean_field(adult):
 
 @pytest.mark.parametrize("method,settings,sd_tolerance,mean_tolerance", [
     ("parameter_perturbation", {}, 0.02, 0.02),
-    ("local_averaging", {"shards": 3}, 0.15, 0.5),
+    ("local_averaging", {"shards": 3}, 0.1, 0.5),
     ("parameter_perturbation", {"trusted_aggregator": True}, 0.05, 0.3),
-    ("local_averaging", {"shards": 3, "trusted_aggregator": True}, 0.2, 0.8),
+    ("local_averaging", {"shards": 3, "trusted_aggregator": True}, 0.1, 0.8),
     ("pvi", {"privacy_unit": "client", "schedule": "synchronous"}, 0.05, 0.3)],
     ids=["parameter_perturbation", "local_averaging", "parameter_perturbation_TA", "local_averaging_TA", "client_level"])
 def test_private_update_perturbation_with_negligible_noise(method, settings, sd_tolerance, mean_tolerance):
     """Update perturbation and client-level DP with a rank-1 q and negligible noise (sigma C = 1e-3): the releases
     are the changes' public coordinates, completed at the server. Measured (sds / exact, worst mean error in sd):
     parameter perturbation 0.997-1.008 / 0.001 (each client's release completed with its own public factor: the
-    non-private rank-1 fixed point); local averaging over 3 shards 1.055-1.095 / 0.25 (three rank-1 approximations
-    whose average is not rank 1, and a shard's factor split by principal components where the exact split's
-    diagonal would go negative, ``low_rank.diagonal_plus_low_rank``; full-rank local averaging is exact); through a
-    trusted aggregator, which releases only the sum, completed once, 1.005-1.027 / 0.19 (parameter perturbation)
-    and 1.063-1.119 / 0.48 (local averaging); client-level DP 1.003-1.026 / 0.18. The tolerances are these with room (deterministic here: a
+    non-private rank-1 fixed point); local averaging over 3 shards 1.03-1.05 / 0.32 (three rank-1 approximations
+    whose average is not rank 1; full-rank local averaging is exact); through a trusted aggregator, which releases
+    only the sum, completed once, 1.005-1.027 / 0.19 (parameter perturbation) and 1.03-1.07 / 0.54 (local
+    averaging); client-level DP 1.003-1.026 / 0.18. The tolerances are these with room (deterministic here: a
     Gaussian likelihood makes the Newton steps exact whatever the draws). The ledger's events count the
     release's noise coordinates, ``2 D + r (r + 1) / 2 + (D - r) r``."""
     data = correlated_data()
@@ -332,7 +331,7 @@ def test_a_private_low_rank_fit_resumes_with_its_ledger(tmp_path, method):
 
 def test_an_improper_low_rank_round_stops_with_advice_that_names_the_rank():
     """NumPyro's Hilbert-space GP example at the default rank (4 of 15), key 1: a truncation makes a cavity
-    improper (measured in round 3; key 0 runs through); the fit stops with FitDiverged, keeps its last valid result,
+    improper (measured in round 3); the fit stops with FitDiverged, keeps its last valid result,
     and the advice names a higher rank or full-rank."""
     from .numpyro_models import MODELS
 
