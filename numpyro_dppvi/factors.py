@@ -37,7 +37,7 @@ class LowRank(NamedTuple):
     ``basis`` ``[D, k]`` has orthonormal columns in every stored state (the public basis ``B`` that ``q`` and
     every factor share, :mod:`numpyro_dppvi.pvi.low_rank`); ``core`` ``[k, k]`` is symmetric and signed (a site
     factor may remove precision). A client's answer may carry a wider, not orthonormal basis ``[B, E]``
-    (:func:`project_change`) until the server rebases it (:func:`rebase`). Sums, differences and multiples
+    (:func:`~numpyro_dppvi.pvi.low_rank.from_coordinates`) until the server rebases it (:func:`rebase`). Sums, differences and multiples
     act on ``(diag, core)`` and keep the left operand's basis: both operands must share it (the server
     rebases every Gaussian of a state into one basis before adding), which is what makes products, quotients
     and damping exact in this family."""

@@ -17,11 +17,10 @@ factor's precision ``T = Lambda_new - Lambda_cavity`` by :func:`diagonal_plus_lo
 exactly, the rest a positive semi-definite rank-``r`` term in the client's own directions ``V`` (the answer lives
 in the basis ``[B, V]``, :func:`answer`); the new ``q``'s mean is the Newton steps' mean. A log-concave
 likelihood has a positive semi-definite curvature, so every factor's core is too, ``q``'s core is, and the
-truncation below only moves positive mass onto the diagonal: ``q`` stays proper. (:func:`project_change`, the
-Frobenius projection onto ``F_B = {diag(x) + B X B^T + E B^T + B E^T}``, whose coordinates in the public ``B``
-would be a private release's, is the building block of the private methods; as a local step it was tried
-first and rejected: its cross term ``E B^T + B E^T`` is indefinite, and truncating half of it made ``q``
-improper in the first round of a correlated regression.)
+truncation below only moves positive mass onto the diagonal: ``q`` stays proper. (The Frobenius projection of
+the change onto ``F_B = {diag(x) + B X B^T + E B^T + B E^T}`` was tried first as the local step and rejected: its
+cross term ``E B^T + B E^T`` is indefinite, and truncating half of it made ``q`` improper in the first round of
+a correlated regression.)
 
 **The server** (:func:`absorb`) collects the answers' bases, ``B+ = orth[B, E_1, ..., E_M]`` (a Householder QR,
 whose first ``r`` columns span ``B``), rebases every Gaussian of the state and every change into ``B+``
@@ -72,7 +71,6 @@ import jax.numpy as jnp
 
 from .. import factors
 from ..factors import Gaussian, LowRank
-from ..privacy.noise import _x64
 from .full_rank import NonPrivateFullRank, ServerFactorStepFullRank
 
 
@@ -103,29 +101,6 @@ def rebase_tree(tree, basis: jax.Array):
     is_gaussian = lambda x: isinstance(x, Gaussian)
     return jax.tree.map(lambda x: rebase(x, basis) if is_gaussian(x) and factors.is_low_rank(x) else x,
                         tree, is_leaf=is_gaussian)
-
-
-def project_change(delta: jax.Array, basis: jax.Array) -> tuple[jax.Array, jax.Array, jax.Array]:
-    """The Frobenius-orthogonal projection of a symmetric ``delta`` (``[D, D]``) onto
-    ``F_B = {diag(x) + B X B^T + E B^T + B E^T : B^T E = 0}``: returns ``(x, X, E)``.
-
-    ``F_B = Diag + {M : P M P = 0}``, ``P = I - B B^T``. The residual ``R = P (delta - diag x) P`` is orthogonal
-    to the second summand, and to ``Diag`` when its diagonal is zero, i.e. when ``(P o P) x = diag(P delta P)``
-    (``o``: the entrywise product; consistent, singular when ``B`` holds coordinate axes, so the minimum-norm
-    solution; every solution gives the same projection ``delta - R``). Then with ``G = delta - diag x``:
-    ``X = B^T G B`` and ``E = P G B``. At ``r = D`` (``P = 0``) the projection is the identity."""
-    with _x64():
-        dtype = delta.dtype
-        delta = delta.astype(jnp.float64)
-        b = basis.astype(jnp.float64)
-        perp = jnp.eye(delta.shape[-1], dtype=jnp.float64) - b @ b.T
-        lhs = perp * perp
-        rhs = jnp.diagonal(perp @ delta @ perp)
-        x = jnp.linalg.lstsq(lhs, rhs, rcond=1e-10)[0]
-        gap = delta - jnp.diag(x)
-        core = b.T @ gap @ b
-        cross = perp @ gap @ b
-        return x.astype(dtype), (0.5 * (core + core.T)).astype(dtype), cross.astype(dtype)
 
 
 def _top(values, vectors, rank: int, signed: bool):

@@ -45,29 +45,6 @@ def test_rebase_is_exact_within_the_span_and_linear():
     np.testing.assert_allclose(np.diagonal(both.eta2.dense()), np.diagonal(factors.multiply(g, h).eta2.dense()), atol=2e-5)
 
 
-def test_projection_onto_the_tangent_family():
-    """``project_change`` fixes ``F_B`` and leaves a residual orthogonal to it (zero diagonal, inside the
-    ``(I - BB^T)`` block)."""
-    rng = np.random.default_rng(1)
-    dim, rank = 9, 2
-    basis = np.linalg.qr(rng.normal(size=(dim, rank)))[0]
-    perp = np.eye(dim) - basis @ basis.T
-    x0, core0 = rng.normal(size=dim), rng.normal(size=(rank, rank))
-    cross0 = perp @ rng.normal(size=(dim, rank))
-    member = np.diag(x0) + basis @ (core0 + core0.T) @ basis.T + cross0 @ basis.T + basis @ cross0.T
-    any_sym = rng.normal(size=(dim, dim))
-    any_sym = any_sym + any_sym.T
-    for target, exact in ((member, True), (any_sym, False)):
-        x, core, cross = (np.asarray(v, np.float64) for v in low_rank.project_change(jnp.asarray(target, jnp.float32),
-                                                                                        jnp.asarray(basis, jnp.float32)))
-        projected = np.diag(x) + basis @ core @ basis.T + cross @ basis.T + basis @ cross.T
-        residual = target - projected
-        if exact:
-            np.testing.assert_allclose(projected, target, atol=1e-4)
-        np.testing.assert_allclose(np.diagonal(residual), 0.0, atol=1e-4)
-        np.testing.assert_allclose(residual, perp @ residual @ perp, atol=1e-4)
-
-
 def test_diagonal_plus_low_rank_recovers_its_family():
     rng = np.random.default_rng(2)
     dim, rank = 10, 2

@@ -264,6 +264,21 @@ def test_trusted_aggregate(method, family, relation):
 
 # --------------------------------------------------------------------------- client-level DP
 
+def client_neighbours(clients, relation, rng, count=2):
+    """``count`` neighbouring client sets: an extreme client appended, the last one removed, or a random one
+    replaced by an extreme one (positions unchanged; the coupling of :func:`test_client_level_aggregate`)."""
+    for _ in range(count):
+        extreme = (rng.normal(size=(20, 2)).astype(np.float32) * 5, np.ones(20, np.float32))
+        if relation == "add":
+            yield clients + [extreme]
+        elif relation == "remove":
+            yield clients[:-1]
+        else:
+            other = list(clients)
+            other[int(rng.integers(0, len(clients)))] = extreme
+            yield other
+
+
 @pytest.mark.parametrize("relation", ["add", "remove", "replace"])
 @pytest.mark.parametrize("family", ["mean_field", "full_rank"])
 def test_client_level_aggregate(family, relation):
@@ -291,15 +306,7 @@ def test_client_level_aggregate(family, relation):
     base = aggregate(clients)
     bound = sensitivity(CLIP, relation_of(relation), "sum_of_records")
     worst = 0.0
-    for _ in range(2):
-        extreme = (rng.normal(size=(20, 2)).astype(np.float32) * 5, np.ones(20, np.float32))
-        if relation == "add":
-            other = clients + [extreme]
-        elif relation == "remove":
-            other = clients[:-1]
-        else:
-            other = list(clients)
-            other[int(rng.integers(0, 4))] = extreme
+    for other in client_neighbours(clients, relation, rng):
         change = distance(aggregate(other), base)
         assert change <= bound * SLACK, (relation, change / CLIP)
         worst = max(worst, change)
@@ -332,15 +339,7 @@ def test_client_level_low_rank_release(relation):
     base = released(clients)
     bound = sensitivity(CLIP, relation_of(relation), "sum_of_records")
     worst = 0.0
-    for _ in range(2):
-        extreme = (rng.normal(size=(20, 2)).astype(np.float32) * 5, np.ones(20, np.float32))
-        if relation == "add":
-            other = clients + [extreme]
-        elif relation == "remove":
-            other = clients[:-1]
-        else:
-            other = list(clients)
-            other[int(rng.integers(0, 4))] = extreme
+    for other in client_neighbours(clients, relation, rng):
         change = distance(released(other), base)
         assert change <= bound * SLACK, (relation, change / CLIP)
         worst = max(worst, change)
