@@ -34,6 +34,7 @@ import contextlib
 import logging
 import time
 
+import jax
 import numpy as np
 from flwr.app import Context, Message
 from flwr.clientapp import ClientApp
@@ -116,7 +117,9 @@ def take_step(node: NodeSettings, state: ClientState, instruction: Instruction, 
     """One local update under the protocol of the module docstring; returns the reply to send."""
     i = instruction
     fit = state.fit if state.fit is not None and state.fit["fit_id"] == i.fit_id else None
-    zero = Gaussian(*(np.zeros(np.shape(x), np.float32) for x in i.q))
+    zero = jax.tree.map(lambda x: np.zeros(np.shape(x), np.float32), i.q)
+    if factors.is_low_rank(i.q):  # a change in q's own basis (LowRank sums keep the left operand's basis)
+        zero = zero._replace(eta2=zero.eta2._replace(basis=np.asarray(i.q.eta2.basis, np.float32)))
 
     def refuse(reason: str, detail: str) -> Reply:
         ledger = None if state.ledger is None else state.ledger.to_dict()
@@ -171,12 +174,17 @@ def take_step(node: NodeSettings, state: ClientState, instruction: Instruction, 
     fit["participations"] += 1
     state.fit = fit
     state.exchanges += 1
-    state.factor = Gaussian(*(np.asarray(t, np.float32) + np.asarray(d, np.float32) for t, d in zip(i.t_m, delta)))
+    # the factor the server will hold; a low-rank one is rebased and truncated there, so it is not kept here
+    low = factors.is_low_rank(i.q)
+    state.factor = None if low else Gaussian(*(np.asarray(t, np.float32) + np.asarray(d, np.float32)
+                                                for t, d in zip(i.t_m, delta)))
     state.rule_leaves = local_update.rule_state_leaves(rule_state)
     client_store.save(state, node)
 
-    in_sync = all(np.array_equal(np.asarray(a, np.float32), np.asarray(b, np.float32)) for a, b in zip(own, i.t_m))
-    diagnostics = {"update_finite": float(finite), "factor_in_sync": float(in_sync)}
+    diagnostics = {"update_finite": float(finite)}
+    if not low:
+        in_sync = all(np.array_equal(np.asarray(a, np.float32), np.asarray(b, np.float32)) for a, b in zip(own, i.t_m))
+        diagnostics["factor_in_sync"] = float(in_sync)
     if i.method != "pvi":
         diagnostics["loss"] = loss  # DP optimisation reports the data-free part of its loss only
     return Reply(node.client_id, "ok", delta, participations=fit["participations"],
@@ -201,15 +209,32 @@ def refusal_without_data(node: NodeSettings, fit: dict | None, i: Instruction,
     except SettingsError as exc:
         return "settings", str(exc)
     dim = int(np.shape(i.q.eta1)[-1])
-    shape = (dim, dim) if i.settings.family == "full_rank" else (dim,)
-    if any(tuple(np.shape(g.eta2)) != shape or tuple(np.shape(g.eta1)) != (dim,) for g in (i.q, i.t_m)):
-        return "settings", (f"q and t_m must be {i.settings.family} Gaussians (eta1 [{dim}], eta2 {list(shape)}), "
-                            f"got eta2 {list(np.shape(i.q.eta2))} and {list(np.shape(i.t_m.eta2))}")
+    layout = gaussian_layout(i.settings, dim)
+    if any(gaussian_shapes(g) != layout for g in (i.q, i.t_m)):
+        return "settings", (f"q and t_m must be {i.settings.family} Gaussians ({layout}), got {gaussian_shapes(i.q)} "
+                            f"and {gaussian_shapes(i.t_m)}")
+    if factors.is_low_rank(i.q) and not np.array_equal(i.q.eta2.basis, i.t_m.eta2.basis):
+        return "settings", "q and t_m must share one public basis (the server rebases every factor into q's)"
     if seconds_left <= 0:
         return "expired", "the message expired before the client started"
     if not bool(factors.is_proper(factors.divide(i.q, i.t_m))):
         return "cavity", "the cavity q / t_m is not a proper Gaussian"
     return None
+
+
+def gaussian_layout(settings, dim: int) -> dict:
+    """The array shapes of a Gaussian of ``settings.family`` over ``dim`` latents, as :func:`gaussian_shapes` gives
+    them (low rank: ``eta2`` as diagonal ``[D]``, core ``[r, r]`` and basis ``[D, r]``, ``r`` the settings' rank)."""
+    if settings.family == "low_rank":
+        r = settings.resolved_rank(dim)
+        return {"eta1": (dim,), "eta2.diag": (dim,), "eta2.core": (r, r), "eta2.basis": (dim, r)}
+    return {"eta1": (dim,), "eta2": (dim, dim) if settings.family == "full_rank" else (dim,)}
+
+
+def gaussian_shapes(g: Gaussian) -> dict:
+    if factors.is_low_rank(g):
+        return {"eta1": np.shape(g.eta1), **{f"eta2.{k}": np.shape(v) for k, v in g.eta2._asdict().items()}}
+    return {"eta1": np.shape(g.eta1), "eta2": np.shape(g.eta2)}
 
 
 def budget_check(node: NodeSettings, state: ClientState, fit: dict | None, i: Instruction):
@@ -225,8 +250,9 @@ def budget_check(node: NodeSettings, state: ClientState, fit: dict | None, i: In
     ledger = state.ledger_for(node)
     if 0 in ledger.stopped:
         return None, f"the node's budget epsilon={node.epsilon} is spent", True
-    # noise coordinates of one release: the gradient of (loc, log_scale), or of a full-rank q's (loc, L)
-    dimension = factors.num_coordinates(int(np.shape(i.q.eta1)[-1]), i.settings.family)
+    # noise coordinates of one release: the gradient of (loc, log_scale), a full-rank q's (loc, L), a low-rank's
+    # (loc, log_scale, W)
+    dimension = local_update.noise_dimension(i.settings, int(np.shape(i.q.eta1)[-1]))
     try:
         plan = (local_update.calibrated_plan(node, i.settings, state.num_rows, dimension, ledger.events(0))
                 if fit is None or fit["noise_multiplier"] is None else

@@ -3,7 +3,11 @@ and the history; what a reply does to it; its checkpoint; the published result.
 
 The algebra is ``pvi.server``'s: ``eta_q = eta_prior + sum_m eta_t_m``; a client's change
 ``delta_m`` is added to its factor and to ``q`` (sequential and asynchronous: on arrival;
-synchronous: the changes of a round summed once). A change that does not arrive (a late, failed,
+synchronous: the changes of a round summed once). Low rank (``family="low_rank"``): ``q`` and every factor
+share one public basis ``B``; the changes arrive in wider bases ``[B, E_m]``, so that ``B`` is widened by
+them, everything is rebased, the changes added and ``q`` truncated back to rank ``r`` with every factor
+(:func:`numpyro_dppvi.pvi.low_rank.truncate_tree`, which keeps ``q``'s mean and ``q = prior * prod t_m``), as
+``pvi.server`` does; the share of ``q``'s core dropped goes to the history (``low_rank_truncation``). A change that does not arrive (a late, failed,
 unavailable or refusing client) changes nothing: that client's factor stays as it was, as in the
 simulated fit, and the history says why.
 
@@ -17,10 +21,12 @@ from __future__ import annotations
 
 from dataclasses import asdict, dataclass, field
 
+import jax
 import numpy as np
 
 from .. import checkpoint, factors
-from ..factors import Gaussian
+from ..factors import Gaussian, LowRank
+from ..pvi import low_rank
 from ..model import ModelAdapter
 from ..privacy import PrivacyLedger
 from ..results import DPPVIResult
@@ -80,6 +86,7 @@ class Coordinator:
         self.round = 0
         self.communications = 0
         self.history: list[dict] = []
+        self.truncation = 0.0  # low rank: the largest share of q's core dropped in the round under way
 
     # -- clients -------------------------------------------------------------------------------
     def client(self, client_id: str) -> ClientRecord | None:
@@ -109,7 +116,8 @@ class Coordinator:
         record = self.client(i.client_id)
         if record is None:
             dim = self.adapter.dim
-            zero = Gaussian(*(np.asarray(x) for x in factors.zeros(dim, np.float32, self.settings.family)))
+            basis = self.q.eta2.basis if factors.is_low_rank(self.q) else None
+            zero = as_numpy(factors.zeros(dim, np.float32, self.settings.family, basis=basis))
             record = ClientRecord(i.client_id, len(self.clients), node_id, i.num_rows, zero)
             self.clients.append(record)
         record.node_id = node_id
@@ -125,8 +133,10 @@ class Coordinator:
             raise ValueError(f"model {self.model_ref} has priors that are not Normal on a real site; "
                              "numpyro_dppvi.flower needs Normal priors (reparametrise the others)")
         if self.q is None:
-            self.q = Gaussian(*(np.asarray(x, np.float32) for x in factors.as_family(self.adapter.prior,
-                                                                                     self.settings.family)))
+            dim = self.adapter.dim
+            basis = (factors.initial_basis(dim, self.settings.resolved_rank(dim))
+                     if self.settings.family == "low_rank" else None)
+            self.q = as_numpy(factors.as_family(self.adapter.prior, self.settings.family, basis=basis))
 
     def active(self) -> list[ClientRecord]:
         return [c for c in self.clients if not c.stopped]
@@ -156,11 +166,18 @@ class Coordinator:
         if not reply.diagnostics.get("update_finite", 1.0):
             log.failed.add(client.index)
             return None
-        return Gaussian(*(np.asarray(x, np.float32) for x in reply.delta))
+        if factors.family_of(reply.delta) != self.settings.family or np.shape(reply.delta.eta1) != np.shape(self.q.eta1):
+            log.dropped[client.index] = f"a {factors.family_of(reply.delta)} change of another shape than q's"
+            return None
+        return as_numpy(reply.delta)
 
     def apply(self, changes: list[tuple[ClientRecord, Gaussian]]) -> None:
-        """``t_m += delta_m`` for each, and ``q += sum_m delta_m`` (one sum over the stacked changes)."""
+        """``t_m += delta_m`` for each, and ``q += sum_m delta_m`` (one sum over the stacked changes); low rank:
+        first widen, rebase, then truncate (module docstring)."""
         if not changes:
+            return
+        if factors.is_low_rank(self.q):
+            self._apply_low_rank(changes)
             return
         for client, delta in changes:
             client.factor = factors.multiply(client.factor, delta)
@@ -168,6 +185,30 @@ class Coordinator:
                              for name in ("eta1", "eta2")))
         q = factors.multiply(self.q, factors.product(stacked))
         self.q = Gaussian(*(np.asarray(x, np.float32) for x in q))
+
+    def _apply_low_rank(self, changes: list[tuple[ClientRecord, Gaussian]]) -> None:
+        """``pvi.server.synchronous``'s low-rank step for the changes that arrived: ``B`` widened by their bases,
+        ``q``, every factor and the changes rebased to it, the changes added, then ``q`` and every factor
+        truncated to rank ``r`` (``truncate_tree``)."""
+        rank = factors.rank_of(self.q)
+        basis = np.asarray(self.q.eta2.basis, np.float32)
+        # an answer computed against this q starts with its basis B; a stale one (asynchronous: q was rebased since
+        # it was sent) brings the basis it was computed in, which B is widened by as well
+        extra = [d.eta2.basis[:, rank:] if np.array_equal(d.eta2.basis[:, :rank], basis) else d.eta2.basis
+                 for _, d in changes]
+        wide = low_rank.orthonormal_union(jax.numpy.asarray(basis), jax.numpy.concatenate(extra, axis=1))
+        deltas = stack([d for _, d in changes])
+        deltas, q, held = low_rank.rebase_tree((deltas, self.q, stack([c.factor for c in self.clients])), wide)
+        q = factors.multiply(q, factors.product(deltas))
+        rows = np.asarray([client.index for client, _ in changes])
+        held = Gaussian(held.eta1.at[rows].add(deltas.eta1),
+                        held.eta2._replace(diag=held.eta2.diag.at[rows].add(deltas.eta2.diag),
+                                           core=held.eta2.core.at[rows].add(deltas.eta2.core)))
+        (q, held), dropped = low_rank.truncate_tree((q, held), q, rank)
+        self.q = as_numpy(q)
+        for j, client in enumerate(self.clients):
+            client.factor = as_numpy(jax.tree.map(lambda x: x[j], held))
+        self.truncation = max(self.truncation, float(dropped))
 
     def end_round(self, log: RoundLog, seconds: float) -> dict:
         """Close a round: check ``q`` and append the public history entry."""
@@ -184,6 +225,9 @@ class Coordinator:
             entry["dropped"] = [{"client": j, "reason": r} for j, r in sorted(log.dropped.items())]
         if log.arrivals:
             entry["arrivals"] = list(log.arrivals)
+        if factors.is_low_rank(self.q):  # computed from q: public
+            entry["low_rank_truncation"] = self.truncation
+            self.truncation = 0.0
         self.history.append(entry)
         return entry
 
@@ -233,14 +277,33 @@ class Coordinator:
             raise ValueError(f"{path} is not a numpyro_dppvi.flower server checkpoint ({CHECKPOINT_FORMAT})")
         coord = cls(meta["model"], meta["method"], meta["schedule"], LocalSettings.from_json(meta["settings"]),
                     meta["fit_id"], run_config)
-        coord.q = Gaussian(arrays["['q'].eta1"], arrays["['q'].eta2"])
+        coord.q = saved_gaussian(arrays, "['q']")
         coord.start((tuple(tuple(s) for s in meta["signature"][0]), tuple(meta["signature"][1])))
         for j, info in enumerate(meta["clients"]):
-            factor = Gaussian(arrays[f"['factors'][{j}].eta1"], arrays[f"['factors'][{j}].eta2"])
+            factor = saved_gaussian(arrays, f"['factors'][{j}]")
             coord.clients.append(ClientRecord(info["client_id"], j, None, info["num_rows"], factor, info["ledger"],
                                               info["participations"], info["stopped"]))
         coord.round, coord.communications, coord.history = meta["round"], meta["communications"], meta["history"]
         return coord
+
+
+def as_numpy(g: Gaussian) -> Gaussian:
+    """``g`` with float32 numpy leaves (any family)."""
+    return jax.tree.map(lambda x: np.asarray(x, np.float32), g)
+
+
+def stack(gaussians: list[Gaussian]) -> Gaussian:
+    """Gaussians of one family stacked on a new leading axis (as jax arrays)."""
+    return jax.tree.map(lambda *xs: jax.numpy.stack([jax.numpy.asarray(x, jax.numpy.float32) for x in xs]), *gaussians)
+
+
+def saved_gaussian(arrays: dict, prefix: str) -> Gaussian:
+    """The Gaussian saved under ``prefix`` by :func:`~numpyro_dppvi.checkpoint.flatten` (a low-rank one as its three
+    ``eta2`` parts)."""
+    if f"{prefix}.eta2.diag" in arrays:
+        return Gaussian(arrays[f"{prefix}.eta1"], LowRank(*(arrays[f"{prefix}.eta2.{part}"]
+                                                            for part in ("diag", "core", "basis"))))
+    return Gaussian(arrays[f"{prefix}.eta1"], arrays[f"{prefix}.eta2"])
 
 
 class ClientLedgers:

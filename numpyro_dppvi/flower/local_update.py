@@ -38,7 +38,9 @@ from ..privacy.ledger import extra_mass
 from ..privacy.noise import float32_at_least
 from ..pvi.fit import model_adapter
 from ..optim import Newton, cvi
+from ..pvi import low_rank
 from ..pvi.full_rank import NonPrivateFullRank
+from ..pvi.low_rank import NonPrivateLowRank
 from ..pvi.local import DPOptimisation, NonPrivate
 from ..pvi.privacy_plan import PrivacyPlan, dp_sgd_plan
 from .settings import LocalSettings, NodeSettings, SettingsError
@@ -144,15 +146,23 @@ def make_rule(method: str, adapter: ModelAdapter, settings: LocalSettings, plan:
     opt = optimizer(settings.optimizer, float(settings.learning_rate))
     a = adapter
     settings.check_method(method)
+    rank = settings.resolved_rank(a.dim)
     if method == "dp_optimisation":
         p = plan.privacy
         return DPOptimisation(a.log_lik_rows, a.dim, opt, settings.local_steps, settings.batch_size,
                               settings.num_samples, log_lik_row=a.log_lik_row_blocks, clip=p.clip,
                               sampling=p.sampling, max_batch=plan.max_batch, blocks=a.site_sizes, chunk=plan.chunk,
-                              average=settings.tail_average, family=settings.family)
-    cls = NonPrivateFullRank if settings.family == "full_rank" else NonPrivate
+                              average=settings.tail_average, family=settings.family, rank=rank)
+    cls = {"full_rank": NonPrivateFullRank, "low_rank": NonPrivateLowRank}.get(settings.family, NonPrivate)
+    extra = {"rank": rank} if settings.family == "low_rank" else {}
     return cls(a.log_lik_rows, a.dim, opt, settings.local_steps, settings.batch_size, settings.num_samples,
-               average=settings.tail_average)
+               average=settings.tail_average, **extra)
+
+
+def noise_dimension(settings: LocalSettings, dim: int) -> int:
+    """The noise coordinates of one DP-SGD release (its ledger event's ``dimension``), as ``fit_dppvi`` counts
+    them: the gradient of the family's parameters (:func:`~numpyro_dppvi.factors.num_parameters`)."""
+    return factors.num_parameters(dim, settings.family, settings.resolved_rank(dim))
 
 
 def initial_rule_state(rule, plan: PrivacyPlan | None, arrays, mask, key):
@@ -196,8 +206,11 @@ def simulated_fit_key(fit_key_data, round_index: int, client_index: int) -> jax.
 def _update(rule, damping: float, q: Gaussian, t_m: Gaussian, arrays, mask, n, key, rule_state):
     cavity = factors.divide(q, t_m)
     q_new, new_state, metrics = rule.update(q, cavity, arrays, mask, n, key, rule_state)
-    finite = jnp.all(jnp.isfinite(q_new.eta1)) & jnp.all(jnp.isfinite(q_new.eta2))
-    delta = Gaussian(*(jnp.where(finite, damping * (new - old), 0.0) for new, old in zip(q_new, q)))
+    finite = jnp.all(factors.finite_coordinates(q_new))
+    if factors.is_low_rank(q):  # in the answer's basis [B, E] (pvi.server.arrivals: the server widens B by E)
+        delta = low_rank.changes(q, q_new, finite, damping)
+    else:
+        delta = Gaussian(*(jnp.where(finite, damping * (new - old), 0.0) for new, old in zip(q_new, q)))
     kept = jax.tree.map(lambda new, old: jnp.where(finite, new, old), new_state, rule_state)
     return delta, kept, metrics["loss"], finite
 
@@ -210,6 +223,6 @@ def run_update(rule, damping: float, q: Gaussian, t_m: Gaussian, arrays, key, ru
     arrays = tuple(jnp.asarray(a) for a in arrays)
     n = arrays[0].shape[0]
     mask = jnp.ones(n, bool)
-    as32 = lambda g: Gaussian(*(jnp.asarray(x, jnp.float32) for x in g))
+    as32 = lambda g: jax.tree.map(lambda x: jnp.asarray(x, jnp.float32), g)
     delta, rule_state, loss, finite = program(as32(q), as32(t_m), arrays, mask, jnp.float32(n), key, rule_state)
-    return Gaussian(*(np.asarray(x) for x in delta)), rule_state, float(loss), bool(finite)
+    return jax.tree.map(np.asarray, delta), rule_state, float(loss), bool(finite)

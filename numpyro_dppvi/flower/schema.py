@@ -7,7 +7,9 @@ them), so nested values travel as JSON strings.
 
 Server -> client, ``train`` (:class:`Instruction`):
 
-* ``"q"``: ArrayRecord ``eta1``, ``eta2`` (the global posterior, natural parameters);
+* ``"q"``: ArrayRecord ``eta1``, ``eta2`` (the global posterior, natural parameters); a low-rank Gaussian
+  (``family="low_rank"``) carries ``eta2`` as three arrays ``eta2.diag``, ``eta2.core`` and ``eta2.basis``
+  (``eta2 = diag(diag) + basis core basis^T``; the basis is public, :mod:`numpyro_dppvi.pvi.low_rank`);
 * ``"t_m"``: ArrayRecord ``eta1``, ``eta2`` (the server's view of the client's factor; ``q`` is
   ``prior * prod_m t_m`` as the server has seen them, so the cavity ``q / t_m`` uses this view);
 * ``"config"``: ConfigRecord ``schema``, ``fit_id``, ``round``, ``client_id`` (whom the server
@@ -16,8 +18,10 @@ Server -> client, ``train`` (:class:`Instruction`):
 Client -> server, reply to ``train`` (:class:`Reply`):
 
 * ``"delta"``: ArrayRecord ``eta1``, ``eta2``, the change of the client's factor,
-  ``delta = rho (eta(q_new) - eta(q))`` (zeros when it refused or its update was not finite);
-* ``"diagnostics"``: MetricRecord of data-free values only (``update_finite``, ``factor_in_sync``,
+  ``delta = rho (eta(q_new) - eta(q))`` (zeros when it refused or its update was not finite); low-rank: in the
+  wider basis ``[B, E]`` of the client's answer, which the server widens ``B`` by before adding;
+* ``"diagnostics"``: MetricRecord of data-free values only (``update_finite``, ``factor_in_sync`` (not for
+  low rank, whose factors the server truncates),
   and for DP optimisation the data-free part of the last local loss);
 * ``"status"``: ConfigRecord ``schema``, ``client_id``, ``status`` (``"ok"`` | ``"refused"``),
   ``reason`` (why it refused: :data:`REFUSALS`), ``detail`` (text), ``participations`` (steps of
@@ -39,10 +43,12 @@ from dataclasses import dataclass, field
 import numpy as np
 from flwr.app import Array, ArrayRecord, ConfigRecord, MetricRecord, RecordDict
 
-from ..factors import Gaussian
+from ..factors import Gaussian, LowRank
 from .settings import LocalSettings
 
-SCHEMA_VERSION = "numpyro_dppvi.flower/3"  # 2: LocalSettings.tail_average; 3: LocalSettings.family ([D, D] eta2)
+#: 2: LocalSettings.tail_average; 3: LocalSettings.family ([D, D] eta2); 4: family "low_rank" (eta2 as diag, core,
+#: basis) and LocalSettings.rank
+SCHEMA_VERSION = "numpyro_dppvi.flower/4"
 #: Message types: one local update; the introduction that maps a Flower node to a client.
 TRAIN = "train"
 HELLO = "query.hello"
@@ -100,16 +106,25 @@ class Identity:
 
 # --------------------------------------------------------------------------- encoding
 
+LOW_RANK_PARTS = ("diag", "core", "basis")
+
+
 def _gaussian_record(g: Gaussian) -> ArrayRecord:
+    if isinstance(g.eta2, LowRank):
+        parts = {f"eta2.{part}": Array(np.asarray(getattr(g.eta2, part))) for part in LOW_RANK_PARTS}
+        return ArrayRecord({"eta1": Array(np.asarray(g.eta1)), **parts})
     return ArrayRecord({"eta1": Array(np.asarray(g.eta1)), "eta2": Array(np.asarray(g.eta2))})
 
 
 def _gaussian(records: RecordDict, name: str) -> Gaussian:
     record = _record(records, name, ArrayRecord)
     try:
+        if "eta2" not in record and "eta2.diag" in record:
+            return Gaussian(record["eta1"].numpy(), LowRank(*(record[f"eta2.{part}"].numpy() for part in LOW_RANK_PARTS)))
         return Gaussian(record["eta1"].numpy(), record["eta2"].numpy())
     except KeyError as exc:
-        raise SchemaError(f"array record {name!r} lacks {exc}; expected eta1 and eta2") from exc
+        raise SchemaError(f"array record {name!r} lacks {exc}; expected eta1 and eta2 (or eta2.diag, eta2.core and "
+                          "eta2.basis)") from exc
 
 
 def _record(records: RecordDict, name: str, kind):

@@ -25,8 +25,9 @@ from pathlib import Path
 PRIVATE_METHODS = ("dp_optimisation",)
 METHODS = ("pvi",) + PRIVATE_METHODS
 OPTIMIZERS = ("adam", "sgd", "cvi", "newton")
-#: Gaussian families of q (``DPPVI(family=...)``); ``"newton"`` is the local step of full-rank non-private PVI.
-FAMILIES = ("mean_field", "full_rank")
+#: Gaussian families of q (``DPPVI(family=...)``); ``"newton"`` is the local step of non-private full-rank and
+#: low-rank PVI.
+FAMILIES = ("mean_field", "full_rank", "low_rank")
 #: Environment variable a node must set before ``unsafe-test-fit-key`` is honoured (tests only).
 TEST_KEYS_ENV = "NUMPYRO_DPPVI_FLOWER_TEST_KEYS"
 
@@ -53,6 +54,7 @@ class LocalSettings:
     planned_rounds: int = 10
     tail_average: float = 0.0
     family: str = "mean_field"
+    rank: int = 0  # family "low_rank": r (0: fit_dppvi's default round(sqrt(D)), resolved from the model)
 
     def __post_init__(self):
         for name in ("local_steps", "num_samples", "planned_rounds"):
@@ -68,8 +70,11 @@ class LocalSettings:
         if not 0.0 <= float(self.tail_average) < 1.0:
             raise SettingsError(f"tail-average must be in [0, 1), got {self.tail_average}")
         if self.family not in FAMILIES:
-            extra = " (family='low_rank' runs in process, fit_dppvi; not on Flower yet)" if self.family == "low_rank" else ""
-            raise SettingsError(f"family={self.family!r} is not available on Flower; use one of {FAMILIES}{extra}")
+            raise SettingsError(f"family={self.family!r} is not available on Flower; use one of {FAMILIES}")
+        if isinstance(self.rank, bool) or int(self.rank) != self.rank or self.rank < 0:
+            raise SettingsError(f"rank must be a non-negative integer (0: round(sqrt(D))), got {self.rank!r}")
+        if self.rank and self.family != "low_rank":
+            raise SettingsError(f"rank sets the rank of family='low_rank'; family={self.family!r} has none")
         if self.optimizer == "newton" and not 0.0 < self.learning_rate <= 0.5:
             raise SettingsError(f"optimizer='newton' takes learning-rate as its precision step, in (0, 0.5]; got "
                                 f"{self.learning_rate}")
@@ -80,12 +85,19 @@ class LocalSettings:
         if method == "dp_optimisation" and self.optimizer == "newton":
             raise SettingsError("method='dp_optimisation' takes optimizer 'adam', 'sgd' or 'cvi' (Newton steps need "
                                 "the Hessians of the data, which DP-SGD does not release)")
-        if method == "pvi" and self.family == "full_rank" and self.optimizer != "newton":
-            raise SettingsError("family='full_rank' with method='pvi' takes optimizer='newton' (learning-rate: its "
-                                "precision step, e.g. 0.5)")
+        if method == "pvi" and self.family in ("full_rank", "low_rank") and self.optimizer != "newton":
+            raise SettingsError(f"family={self.family!r} with method='pvi' takes optimizer='newton' (learning-rate: "
+                                "its precision step, e.g. 0.5)")
         if self.family == "mean_field" and self.optimizer == "newton":
-            raise SettingsError("optimizer='newton' is the local step of family='full_rank'; set family='full_rank' "
-                                "or another optimizer")
+            raise SettingsError("optimizer='newton' is the local step of family='full_rank' or 'low_rank'; set the "
+                                "family or another optimizer")
+
+    def resolved_rank(self, dim: int) -> int:
+        """The rank of a low-rank fit over ``dim`` latents (``fit_dppvi``'s rule: ``rank`` or ``round(sqrt(D))``,
+        at most ``D``); 0 for the other families."""
+        if self.family != "low_rank":
+            return 0
+        return min(self.rank or max(1, round(dim ** 0.5)), dim)
 
     def to_json(self) -> str:
         return json.dumps(dataclasses.asdict(self), sort_keys=True)

@@ -176,7 +176,7 @@ def widened_basis(basis: jax.Array, answers: jax.Array) -> jax.Array:
     """``orth[B, E_1, ...]``: ``basis`` ``[D, r]`` and the answers' bases ``[..., D, k]`` (their first ``r``
     columns are ``B``); a Householder QR, whose columns are orthonormal even where the stack is rank-deficient
     and whose first ``r`` span ``B``."""
-    return _orthonormal(basis, _columns(answers[..., basis.shape[-1]:]))
+    return orthonormal_union(basis, _columns(answers[..., basis.shape[-1]:]))
 
 
 def _columns(stacked: jax.Array) -> jax.Array:
@@ -184,7 +184,7 @@ def _columns(stacked: jax.Array) -> jax.Array:
     return jnp.moveaxis(stacked, -2, 0).reshape(stacked.shape[-2], -1)
 
 
-def _orthonormal(basis: jax.Array, extra: jax.Array) -> jax.Array:
+def orthonormal_union(basis: jax.Array, extra: jax.Array) -> jax.Array:
     """``orth[basis, extra]`` by a Householder QR (orthonormal columns even where ``extra`` is rank-deficient; the
     first ``r`` span ``basis``)."""
     return jnp.linalg.qr(jnp.concatenate([basis, extra], axis=1))[0]
@@ -382,7 +382,7 @@ def settle_aggregate(q: Gaussian, new_q: Gaussian, own: Gaussian, factor_states:
     (:func:`truncate_tree`); ``private`` (the clients' private states) is rebased alike. Returns
     ``(q', factors', noise_factor', server_factor', private', dropped share)``."""
     r = q.eta2.basis.shape[-1]
-    wide = _orthonormal(q.eta2.basis, jnp.concatenate([new_q.eta2.basis[:, r:], _columns(own.eta2.basis[..., r:])], 1))
+    wide = orthonormal_union(q.eta2.basis, jnp.concatenate([new_q.eta2.basis[:, r:], _columns(own.eta2.basis[..., r:])], 1))
     q_w, new_w, own_w = rebase(q, wide), rebase(new_q, wide), rebase(own, wide)
     factor_w, noise_w, server_w, private_w = rebase_tree((factor_states, noise_factor, server_factor, private), wide)
     remainder = factors.divide(factors.divide(new_w, q_w), factors.product(own_w))

@@ -80,3 +80,43 @@ def test_inprocess_grid_reproduces_a_full_rank_fit(method, clients, tmp_path, mo
     if private:
         assert deployed.privacy == simulated.privacy
         np.testing.assert_allclose(deployed.privacy.epsilon_per_client, simulated.privacy.epsilon_per_client)
+
+
+def dense(q):
+    """``(mean, precision)`` of a Gaussian of any family, formed densely (a low-rank one's basis is a
+    representation: two equal posteriors may hold it in different bases)."""
+    mean, precision = dppvi.factors.mean_and_precision(dppvi.factors.to_full_rank(q))
+    return np.asarray(mean), np.asarray(precision)
+
+
+@pytest.mark.parametrize("method,schedule", [("pvi", "synchronous"), ("pvi", "sequential"),
+                                             ("dp_optimisation", "synchronous")])
+def test_inprocess_grid_reproduces_a_low_rank_fit(method, schedule, clients, tmp_path, monkeypatch):
+    """``family="low_rank"`` (schema 4): the instructions carry ``q`` and ``t_m`` as diagonal, core and public
+    basis; each node answers in its wider basis ``[B, E]``; the server widens ``B``, rebases, adds and truncates
+    as ``fit_dppvi`` does. The deployed fit gives the simulated ``q`` (its mean and precision: the two may hold
+    it in different bases, since the server widens by the changes that arrived, not by zero columns of the
+    others) and the ledgers. Tolerance: float32 rounding through different QR paths (measured <= 2e-5 relative)."""
+    monkeypatch.setenv(TEST_KEYS_ENV, "1")
+    key = jax.random.key(9)
+    private = method == "dp_optimisation"
+    privacy = dppvi.Privacy(epsilon=2.0, delta=1e-5, clip=1.0) if private else None
+    simulated = dppvi.fit_dppvi(logistic_regression, clients, method=method, schedule=schedule, rounds=2,
+                                local_steps=5, batch_size=16, optimizer=optax.adam(0.01) if private else None,
+                                damping=0.5, rng_key=key, privacy=privacy, family="low_rank", rank=2,
+                                tail_average=0.5 if not private else 0.0)
+    key_hex = np.asarray(jax.random.key_data(key), np.uint32).tobytes().hex()
+    nodes = [node_config(tmp_path, m, c, method, **{"unsafe-test-fit-key": key_hex, "unsafe-test-client-index": m})
+             for m, c in enumerate(clients)]
+    settings = {"family": "low_rank", "rank": 2, "tail-average": 0.0 if private else 0.5}
+    if not private:
+        settings.update({"optimizer": "newton", "learning-rate": 0.5})
+    deployed = run_inprocess(run_config(method, schedule, **settings), nodes)
+    assert deployed.family == "low_rank" and dppvi.factors.rank_of(deployed.q) == 2
+    (mean_s, precision_s), (mean_d, precision_d) = dense(simulated.q), dense(deployed.q)
+    assert np.max(np.abs(mean_s - mean_d)) <= 1e-4 * (1 + np.max(np.abs(mean_s)))
+    assert np.max(np.abs(precision_s - precision_d)) <= 1e-4 * np.max(np.abs(precision_s))
+    assert [e["low_rank_truncation"] >= 0 for e in deployed.history] == [True, True]
+    if private:
+        assert deployed.privacy == simulated.privacy
+        np.testing.assert_allclose(deployed.privacy.epsilon_per_client, simulated.privacy.epsilon_per_client)

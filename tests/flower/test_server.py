@@ -20,7 +20,7 @@ from numpyro_dppvi.flower.inprocess import FIRST_NODE_ID, InProcessGrid, run_inp
 from numpyro_dppvi.flower.models import logistic_regression
 from numpyro_dppvi.flower.settings import NodeSettings
 
-from .conftest import node_config, run_config
+from .conftest import MODEL, node_config, run_config
 
 
 def after_round(k, action):
@@ -175,3 +175,44 @@ def test_a_node_with_another_model_cannot_join(clients, tmp_path):
     result = run_inprocess(run_config(rounds=1), nodes, report=notes.append)
     assert [c["client_id"] for c in result.config["clients"]] == ["client-0", "client-2"]
     assert any("does not fit model" in note for note in notes)
+
+
+def test_a_stale_low_rank_change_is_added_whole(tmp_path):
+    """Asynchronous low rank: a change computed against an older ``q`` arrives in the basis ``[B_old, E]`` of that
+    ``q``, not in the server's current ``B``. The server widens ``B`` by all of it, so that nothing of the change is
+    projected away: with a change of rank 2 in ``span B_old``, orthogonal to ``B`` (rank 2), the new ``q`` is
+    exactly ``q + delta`` (formed densely). Widening by ``E`` alone, as for a change computed against this ``q``,
+    lost it."""
+    import jax
+
+    from numpyro_dppvi import factors
+    from numpyro_dppvi.factors import Gaussian, LowRank
+    from numpyro_dppvi.flower.coordinator import ClientRecord, Coordinator
+    from numpyro_dppvi.flower.settings import LocalSettings
+
+    settings = LocalSettings(optimizer="newton", learning_rate=0.5, family="low_rank", rank=2)
+    coord = Coordinator(MODEL, "pvi", "asynchronous", settings, "fit")
+    coord.start((((8,), ()), ("float32", "float32")))
+    dim = coord.adapter.dim
+    assert dim == 9 and factors.rank_of(coord.q) == 2
+    zero = factors.zeros(dim, np.float32, "low_rank", basis=coord.q.eta2.basis)
+    coord.clients = [ClientRecord("a", 0, None, 10, zero)]
+    basis = np.asarray(coord.q.eta2.basis)
+    complement = np.linalg.svd(np.eye(dim) - basis @ basis.T)[0][:, :4]  # orthogonal to B
+    wider = complement.astype(np.float32)  # [B_old, E]: B_old its first two columns, E the next two
+    core = np.zeros((4, 4), np.float32)
+    core[:2, :2] = [[-0.8, 0.3], [0.3, -0.5]]  # adds precision 2 * |core| in span B_old
+    eta1 = np.random.default_rng(0).normal(size=dim).astype(np.float32)
+    delta = Gaussian(eta1, LowRank(np.zeros(dim, np.float32), core, wider))
+    before = factors.to_full_rank(coord.q)
+    coord.apply([(coord.clients[0], delta)])
+    after = factors.to_full_rank(coord.q)
+    expected = np.asarray(before.eta2) + np.asarray(factors.to_full_rank(delta).eta2)
+    np.testing.assert_allclose(np.asarray(after.eta2), expected, atol=1e-5)
+    np.testing.assert_allclose(np.asarray(after.eta1), np.asarray(before.eta1) + delta.eta1, atol=1e-5)
+    held = factors.to_full_rank(coord.clients[0].factor)
+    np.testing.assert_allclose(np.asarray(held.eta2), np.asarray(factors.to_full_rank(delta).eta2), atol=1e-5)
+    coord.save(tmp_path / "server.ckpt")  # the private checkpoint keeps the basis of q and of every factor
+    again = Coordinator.load(tmp_path / "server.ckpt")
+    for mine, theirs in ((again.q, coord.q), (again.clients[0].factor, coord.clients[0].factor)):
+        assert all(np.array_equal(a, b) for a, b in zip(jax.tree.leaves(mine), jax.tree.leaves(theirs)))
