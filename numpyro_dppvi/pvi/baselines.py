@@ -34,6 +34,7 @@ from ..diagnostics import PosteriorRuleWarning, user_stacklevel
 from ..evaluation import evaluate
 from ..privacy.ledger import PrivacyLedger
 from ..results import DPPVIResult
+from . import low_rank
 from .fit import DPPVI
 
 
@@ -73,11 +74,13 @@ def fit_global_vi(model, clients, *, steps: int = 1000, steps_per_round: int = 1
 
 def fit_bcm(model, clients, *, prior: str = "same", local_steps: int = 1000, batch_size: int | None = 100,
             num_samples: int = 10, optimizer: optax.GradientTransformation | None = None, rng_key=None,
-            eval_data=None, privacy=None, invalid: str = "prior", family: str = "mean_field") -> DPPVIResult:
+            eval_data=None, privacy=None, invalid: str = "prior", family: str = "mean_field",
+            rank: int | None = None) -> DPPVIResult:
     """Bayesian committee machine in one round (``prior="same" | "split"``), optionally with DP-SGD training.
 
-    ``family``: ``"mean_field"`` or ``"full_rank"`` (private or not); with ``"full_rank"`` a combined precision
-    that is not positive definite raises (the reset rule is per coordinate, which a full precision matrix
+    ``family``: ``"mean_field"``, ``"full_rank"`` or ``"low_rank"`` with ``rank`` (private or not; the low-rank
+    committee is widened by every client's directions and truncated to rank ``r``, :func:`low_rank_committee`);
+    with ``"full_rank"`` or ``"low_rank"`` a combined precision that is not positive definite raises (the reset rule is per coordinate, which a full precision matrix
     does not have).
 
     ``rng_key=None`` draws the key from the operating system (see :func:`~numpyro_dppvi.fit_dppvi`).
@@ -88,22 +91,22 @@ def fit_bcm(model, clients, *, prior: str = "same", local_steps: int = 1000, bat
         raise ValueError(f"fit_bcm: prior must be 'same' or 'split', got {prior!r}")
     if invalid not in ("prior", "raise"):
         raise ValueError(f"fit_bcm: invalid must be 'prior' or 'raise', got {invalid!r}")
-    if family == "low_rank":
-        raise ValueError("fit_bcm does not take family='low_rank' (each client's posterior would have its own basis); "
-                         "use 'full_rank' or 'mean_field'")
     driver = DPPVI(model, method="pvi" if privacy is None else "dp_optimisation", schedule="synchronous",
                    optimizer=optimizer, local_steps=local_steps, batch_size=batch_size, num_samples=num_samples,
-                   damping=1.0, privacy=privacy, rounds=1, family=family)
+                   damping=1.0, privacy=privacy, rounds=1, family=family, rank=rank)
     driver.caller = "fit_bcm"
     start = time.perf_counter()
     state = driver.init(rng_key, clients)
     q0 = state.q  # prior (times the server's prior factor for non-Gaussian priors)
     sizes = np.asarray(driver.public_sizes, np.float32)
     weights = sizes / sizes.sum() if prior == "split" else np.ones_like(sizes)
-    local_priors = factors.Gaussian(*(np.reshape(weights, (-1,) + (1,) * x.ndim) * x for x in q0))
+    local_priors = jax.vmap(lambda w: factors.scale(q0, w))(jnp.asarray(weights, jnp.float32))
     q_k = driver.local_posteriors(state, local_priors)
-    t_k = factors.divide(q_k, local_priors)  # each client's factor
-    q = factors.multiply(q0, factors.product(t_k))
+    if factors.is_low_rank(q0):
+        q = low_rank_committee(q0, local_priors, q_k, driver.rank)
+    else:
+        t_k = factors.divide(q_k, local_priors)  # each client's factor
+        q = factors.multiply(q0, factors.product(t_k))
     q, reset = reset_to_prior(q, q0, invalid)
     num_clients = len(sizes)
     entry = {"round": 1, "communications": num_clients, "participated": [True] * num_clients,
@@ -115,6 +118,19 @@ def fit_bcm(model, clients, *, prior: str = "same", local_steps: int = 1000, bat
         entry.update(evaluate(driver.adapter, q, arrays, jax.random.fold_in(jax.random.wrap_key_data(state.key), 0x5EED)))
     return DPPVIResult(driver.adapter, q, [entry], method=f"bcm_{prior}", schedule=None, privacy=driver.ledger,
                        config=dict(driver.settings(), prior=prior), rounds=1)
+
+
+def low_rank_committee(q0, local_priors, q_k, rank: int):
+    """``q0 * prod_k (q_k / p_k)`` for low-rank Gaussians: each client's posterior ``q_k`` comes in its own basis
+    ``[B, V_k]`` (:func:`~numpyro_dppvi.pvi.low_rank.answer`), so its factor ``q_k / p_k`` is taken there (``p_k``
+    padded into it, exact), ``B`` is widened by every ``V_k``, the factors are added and the sum is truncated to
+    rank ``r`` as a PVI round's is (:func:`~numpyro_dppvi.pvi.low_rank.truncate_tree`, keeping the mean of the
+    untruncated product)."""
+    t_k = factors.divide(q_k, low_rank.in_basis_of(local_priors, q_k))
+    wide = low_rank.widened_basis(q0.eta2.basis, t_k.eta2.basis)
+    q0, t_k = low_rank.rebase_tree((q0, t_k), wide)
+    q = factors.multiply(q0, factors.product(t_k))
+    return low_rank.truncate_tree(q, q, rank)[0]
 
 
 #: Relative precision below the prior's that the reset rule ignores: float32 rounding of natural
@@ -130,8 +146,9 @@ def reset_to_prior(q, prior, invalid: str = "prior"):
     a ValueError if it is improper. A non-finite ``q`` (a diverged local fit) raises under both rules:
     resetting it would return the prior as a posterior."""
     advice = "lower `local_steps` or the optimizer's learning rate"
-    if factors.is_full_rank(q):
-        factors.check_proper(q, "the full-rank BCM posterior (fit_bcm)", advice + ", or use family='mean_field'")
+    if factors.is_full_rank(q) or factors.is_low_rank(q):
+        factors.check_proper(q, f"the {factors.family_of(q).replace('_', '-')} BCM posterior (fit_bcm)",
+                             advice + ", or use family='mean_field'")
         return q, 0
     if invalid == "raise" or not (bool(jnp.all(jnp.isfinite(q.eta1))) and bool(jnp.all(jnp.isfinite(q.eta2)))):
         factors.check_proper(q, "the BCM posterior (fit_bcm)",

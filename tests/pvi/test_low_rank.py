@@ -121,8 +121,39 @@ def test_low_rank_refuses_what_it_does_not_support():
         dppvi.fit_dppvi(linear, clients, rank=2)
     with pytest.raises(ValueError, match="positive integer"):
         dppvi.fit_dppvi(linear, clients, family="low_rank", rank=0)
-    with pytest.raises(ValueError, match="low_rank"):
-        dppvi.fit_bcm(linear, clients, family="low_rank")
+
+
+def dense_moments(result):
+    mean, precision = factors.mean_and_precision(factors.to_full_rank(result.q))
+    return np.asarray(mean, np.float64), np.linalg.inv(np.asarray(precision, np.float64))
+
+
+@pytest.mark.parametrize("prior", ["same", "split"])
+def test_a_low_rank_committee_combines_the_clients_directions(prior):
+    """``fit_bcm(family="low_rank")``: each client's posterior in its own basis ``[B, V_k]``, the committee widened
+    by every ``V_k`` and truncated to rank ``r``. At ``r = D`` it is the exact posterior of the conjugate
+    regression (a committee with ``prior="same"`` or ``"split"`` is exact for a Gaussian likelihood): measured
+    sds 1.000, means 1e-4 sd off. At ``r = 1`` on covariates correlated 0.95 the sds are within 2% (measured
+    0.997-1.008; mean-field's committee 0.27-0.33) and the means within 0.3 sd (measured 0.20 / 0.26 for
+    "same" / "split": each client's mean is kept with its rank-1 precision, so the weights of the product are
+    approximate; mean-field's committee is 2.1 / 1.4 sd off). Whole-client Newton steps: no Monte Carlo error
+    in a Gaussian likelihood's expectations."""
+    data = correlated_data()
+    clients = split(data, num_clients=4)
+    exact_mean, exact_cov = (np.asarray(x, np.float64) for x in linear_exact(data))
+    exact_sd = np.sqrt(np.diag(exact_cov))
+    full = dppvi.fit_bcm(linear, clients, family="low_rank", rank=4, prior=prior, local_steps=40, batch_size=None,
+                         rng_key=jax.random.key(0))
+    mean, cov = dense_moments(full)
+    assert full.family == "low_rank"
+    np.testing.assert_allclose(np.sqrt(np.diag(cov)) / exact_sd, 1.0, atol=2e-3)
+    assert np.max(np.abs(mean - exact_mean) / exact_sd) < 2e-3
+    one = dppvi.fit_bcm(linear, clients, family="low_rank", rank=1, prior=prior, local_steps=40, batch_size=None,
+                        rng_key=jax.random.key(0))
+    mean, cov = dense_moments(one)
+    assert factors.rank_of(one.q) == 1
+    np.testing.assert_allclose(np.sqrt(np.diag(cov)) / exact_sd, 1.0, atol=0.02)
+    assert np.max(np.abs(mean - exact_mean) / exact_sd) < 0.3
 
 
 @pytest.mark.parametrize("schedule", ["sequential", "synchronous", "asynchronous"])
@@ -316,3 +347,19 @@ def test_an_improper_low_rank_round_stops_with_advice_that_names_the_rank():
     with pytest.raises(dppvi.FitDiverged, match="higher `rank`") as caught:
         dppvi.fit_dppvi(case.model, case.clients(), family="low_rank", rounds=6, rng_key=jax.random.key(1))
     assert caught.value.result.family == "low_rank"
+
+
+def test_a_private_low_rank_committee_charges_its_parameters():
+    """A committee of DP-SGD client posteriors in the low-rank family: one participation per client, each step's
+    noise over the ``2 D + D r`` parameters ``(loc, log_scale, W)`` (D = 4, r = 2: 16), within the budget."""
+    import optax
+
+    clients = split(correlated_data(), num_clients=4)
+    result = dppvi.fit_bcm(linear, clients, family="low_rank", rank=2, local_steps=50, batch_size=10,
+                           privacy=dppvi.Privacy(epsilon=1.0, delta=1e-5), optimizer=optax.adam(1e-2),
+                           rng_key=jax.random.key(0))
+    assert result.family == "low_rank" and factors.rank_of(result.q) == 2 and bool(factors.is_proper(result.q))
+    for m in range(4):
+        (event,) = result.privacy.events(m)
+        assert event.dimension == factors.num_parameters(4, "low_rank", 2) == 16
+    assert max(result.privacy.epsilon_per_client) <= 1.0
