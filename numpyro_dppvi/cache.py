@@ -3,10 +3,12 @@
 A fit's jitted programs take the data as arguments (never as closed-over constants), so that a
 second fit with the same model, settings and array shapes (the same fit again, the next fold of a
 cross-validation, a resume) reuses the compiled program instead of tracing and compiling it again.
-The key holds only static, hashable things: functions by identity (the model, an optax optimiser's
-functions), settings, names, shapes and dtypes. A model is traced once per key, so a function whose
-behaviour changes between fits (e.g. through a mutated global) must be passed as a new function
-object. Used by ``pvi`` (model adapters, round programs) and ``vfl``. Host values enter through
+The key holds only static things: settings, names, shapes and dtypes, and the model, the optax optimiser
+and the other functions by what determines their behaviour (:func:`~numpyro_dppvi.program_key.structural_key`:
+code, closure values, the globals they read), so that ``optax.adam(1e-2)`` written afresh, a model re-defined
+by the same ``def`` and settings objects built again reuse the program, while a changed body, closure value or
+optimiser kind builds a new one. An object the key cannot read (an instance of an unknown class) counts by
+identity: mutated in place between fits, it must be passed as a new object. Used by ``pvi`` (model adapters, round programs) and ``vfl``. Host values enter through
 :func:`to_device`, which needs no program at all.
 """
 
@@ -17,6 +19,8 @@ from typing import Callable
 
 import jax
 import numpy as np
+
+from .program_key import structural_key
 
 _MAX_ENTRIES = 64
 _PROGRAMS: OrderedDict = OrderedDict()
@@ -44,7 +48,9 @@ def to_device(x, dtype=None) -> jax.Array:
 
 
 def cached(key: tuple, build: Callable[[], Callable]) -> Callable:
-    """The program stored under ``key``, built (and stored) on first use."""
+    """The program stored under ``key`` (compared by :func:`~numpyro_dppvi.program_key.structural_key`), built (and
+    stored) on first use."""
+    key = structural_key(key)
     try:
         program = _PROGRAMS.pop(key)
     except KeyError:

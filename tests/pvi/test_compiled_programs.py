@@ -13,10 +13,14 @@ import sys
 
 import jax
 import numpy as np
+import numpyro
+import numpyro.distributions as dist
+import optax
 import pytest
 from jax import monitoring
 
 import numpyro_dppvi as dppvi
+from numpyro_dppvi import cache
 from numpyro_dppvi.privacy import Privacy
 
 from .conftest import logistic
@@ -103,3 +107,79 @@ def test_the_first_fit_of_a_new_process_compiles_only_its_own_programs_and_reads
         assert sorted(run["programs"]) == ["_initial_state", "_round", "model_traces"]
     assert empty["accountant_runs"] >= 1 and warm["accountant_runs"] == 0
     assert warm["epsilon"] == empty["epsilon"]
+
+
+# --------------------------------------------------------------------------- keys by structure (issue 25)
+
+SCALE = 1.0  # read by ``module_level_model``: rebinding it must give a new program
+
+
+def module_level_model(x, y=None):
+    w = numpyro.sample("w", dist.Normal(0.0, SCALE).expand([x.shape[1]]).to_event(1))
+    with numpyro.plate("data", x.shape[0]):
+        numpyro.sample("y", dist.Bernoulli(logits=x @ w), obs=y)
+
+
+def model_with_prior_scale(scale=1.0):
+    """A model made afresh on every call, as a script or notebook cell re-running its ``def`` makes it."""
+    def model(x, y=None):
+        w = numpyro.sample("w", dist.Normal(0.0, scale).expand([x.shape[1]]).to_event(1))
+        with numpyro.plate("data", x.shape[0]):
+            numpyro.sample("y", dist.Bernoulli(logits=x @ w), obs=y)
+    return model
+
+
+def model_with_another_body(scale=1.0):
+    def model(x, y=None):
+        w = numpyro.sample("w", dist.Normal(0.0, scale).expand([x.shape[1]]).to_event(1))
+        with numpyro.plate("data", x.shape[0]):
+            numpyro.sample("y", dist.Bernoulli(logits=x @ w - 1.0), obs=y)
+    return model
+
+
+def written_afresh(model=None, optimizer=None, **extra):
+    """``fit_dppvi`` as a user's script writes it: every argument built in the call."""
+    return dppvi.fit_dppvi(model or model_with_prior_scale(), clients(0), method="dp_optimisation", batch_size=10,
+                           schedule="synchronous", rounds=2, local_steps=3, num_samples=2,
+                           optimizer=optimizer or optax.adam(1e-2), privacy=Privacy(noise_multiplier=1.0, clip=1.0),
+                           rng_key=jax.random.key(0), **extra)
+
+
+def test_a_second_fit_written_afresh_compiles_nothing():
+    """Issue 25: ``optax.adam(1e-2)`` written in the call, the model re-defined by the same ``def`` and a fresh
+    ``Privacy``: the second fit compiles nothing (keyed by identity, it compiled the whole fit again) and gives
+    the first fit's posterior."""
+    first = written_afresh()
+    COMPILE_EVENTS.clear()
+    second = written_afresh()
+    assert COMPILE_EVENTS == []
+    np.testing.assert_array_equal(np.asarray(first.q.eta1), np.asarray(second.q.eta1))
+
+
+def fresh_programs(fit):
+    """``fit()`` with every cached program dropped first: what the fit computes when nothing can be reused."""
+    cache._PROGRAMS.clear()
+    return fit()
+
+
+@pytest.mark.parametrize("change", ["closure value", "model body", "optimizer kind", "global value"])
+def test_what_changes_the_program_compiles_anew(change, monkeypatch):
+    """A changed closure value (the prior scale), model body, optimiser kind (sgd for adam) or a global the model
+    reads (rebound between fits) each build a new program, whose result is the one a process with no cached
+    program computes: no stale program is reused."""
+    base = {"closure value": lambda: written_afresh(model_with_prior_scale(1.0)),
+            "model body": lambda: written_afresh(model_with_prior_scale(1.0)),
+            "optimizer kind": lambda: written_afresh(optimizer=optax.adam(1e-2)),
+            "global value": lambda: written_afresh(module_level_model)}[change]
+    changed = {"closure value": lambda: written_afresh(model_with_prior_scale(0.1)),
+               "model body": lambda: written_afresh(model_with_another_body(1.0)),
+               "optimizer kind": lambda: written_afresh(optimizer=optax.sgd(1e-2)),
+               "global value": lambda: written_afresh(module_level_model)}[change]
+    before = base()
+    if change == "global value":
+        monkeypatch.setattr(sys.modules[__name__], "SCALE", 0.1)
+    COMPILE_EVENTS.clear()
+    after = changed()
+    assert COMPILE_EVENTS
+    assert not np.array_equal(np.asarray(before.q.eta1), np.asarray(after.q.eta1))
+    np.testing.assert_array_equal(np.asarray(after.q.eta1), np.asarray(fresh_programs(changed).q.eta1))
