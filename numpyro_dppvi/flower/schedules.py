@@ -78,8 +78,9 @@ def _send_train(coord: Coordinator, exchange: Exchange, client: ClientRecord, ro
         return None
     sent = exchange.send(client.node_id, encode_instruction(coord.instruction(client)), TRAIN, round_timeout,
                          client, group_id=str(coord.round + 1))
-    if sent is None:
-        log.dropped[client.index] = "not sent"
+    if sent is None:  # the link refused the message: a node it no longer lists (stopped, lost) is unavailable
+        gone = client.node_id not in exchange.node_ids()
+        log.dropped[client.index] = "unavailable (the link no longer lists its node)" if gone else "not sent"
     return sent
 
 
