@@ -363,10 +363,11 @@ class DPPVI:
                              "family='full_rank' it moves the mean and the Cholesky factor of the covariance")
         if family == "low_rank" and method == "virtual_clients":
             raise ValueError("family='low_rank' is not available with virtual clients: a virtual factor written in "
-                             "the shared rank-r basis loses its own directions, and its cavity double-counts them "
-                             "(measured at negligible noise on a 0.95-correlated regression, rank 1: sds 2-4x the "
-                             "exact ones, means 5-140 sd off); take family='full_rank' or 'mean_field', or "
-                             "method='local_averaging'")
+                             "the shared rank-r basis loses its own directions, and its cavity double-counts them; "
+                             "kept in a basis of its own, the part of its change outside the shared basis is released "
+                             "again every round (measured at negligible noise on a 0.95-correlated regression, rank 1: "
+                             "sds 2-4x and 1.3-2x the exact ones, means 4-140 sd off); take family='full_rank' or "
+                             "'mean_field', or method='local_averaging'")
         if family in ("full_rank", "low_rank") and method != "dp_optimisation" and optimizer is not None and not isinstance(optimizer, Newton):
             raise ValueError(f"family={family!r} takes Newton steps with exact expected Hessians: pass "
                              "optimizer=optim.Newton(precision_step=...) or leave optimizer out (optax "
