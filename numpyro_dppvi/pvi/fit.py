@@ -340,7 +340,8 @@ class DPPVI:
             steps), ``"dp_optimisation"`` (parameters ``(loc, log s, W)``, ``2 D + D r``
             noise coordinates), parameter perturbation and local averaging (with or without a trusted aggregator) and
             client-level DP (releases in the public basis, ``2 D + r (r + 1) / 2 + (D - r) r`` noise coordinates),
-            :func:`fit_global_vi`; not yet virtual clients. ``r = D`` is the full-rank fit.
+            :func:`fit_global_vi`, :func:`fit_bcm` and the Flower deployment; not virtual clients. ``r = D`` is the
+            full-rank fit.
     """
 
     def __init__(self, model, method: str = "pvi", schedule: str | None = None,
