@@ -3,13 +3,15 @@ and the history; what a reply does to it; its checkpoint; the published result.
 
 The algebra is ``pvi.server``'s: ``eta_q = eta_prior + sum_m eta_t_m``; a client's change
 ``delta_m`` is added to its factor and to ``q`` (sequential and asynchronous: on arrival;
-synchronous: the changes of a round summed once). Low rank (``family="low_rank"``): ``q`` and every factor
-share one public basis ``B``; the changes arrive in wider bases ``[B, E_m]``, so that ``B`` is widened by
-them, everything is rebased, the changes added and ``q`` truncated back to rank ``r`` with every factor
-(:func:`numpyro_dppvi.pvi.low_rank.truncate_tree`, which keeps ``q``'s mean and ``q = prior * prod t_m``), as
-``pvi.server`` does; the share of ``q``'s core dropped goes to the history (``low_rank_truncation``). A change that does not arrive (a late, failed,
+synchronous: the changes of a round summed once). A change that does not arrive (a late, failed,
 unavailable or refusing client) changes nothing: that client's factor stays as it was, as in the
 simulated fit, and the history says why.
+
+Low rank (``family="low_rank"``): ``q`` and every factor share one public basis ``B``; the changes arrive
+in wider bases ``[B, E_m]``, so ``B`` is widened by them, everything is rebased, the changes are added and
+``q`` is truncated back to rank ``r`` with every factor (:func:`numpyro_dppvi.pvi.low_rank.truncate_tree`,
+which keeps ``q``'s mean and ``q = prior * prod t_m``), as ``pvi.server`` does; the share of ``q``'s core
+dropped goes to the history (``low_rank_truncation``).
 
 Privacy: the server only mirrors the ledgers its clients send (informational; a client's own
 ledger on its own disk is the authority). The published result holds ``q``, the mirrored ledgers
@@ -22,6 +24,7 @@ from __future__ import annotations
 from dataclasses import asdict, dataclass, field
 
 import jax
+import jax.numpy as jnp
 import numpy as np
 
 from .. import checkpoint, factors
@@ -196,7 +199,7 @@ class Coordinator:
         # it was sent) brings the basis it was computed in, which B is widened by as well
         extra = [d.eta2.basis[:, rank:] if np.array_equal(d.eta2.basis[:, :rank], basis) else d.eta2.basis
                  for _, d in changes]
-        wide = low_rank.orthonormal_union(jax.numpy.asarray(basis), jax.numpy.concatenate(extra, axis=1))
+        wide = low_rank.orthonormal_union(jnp.asarray(basis), jnp.concatenate(extra, axis=1))
         deltas = stack([d for _, d in changes])
         deltas, q, held = low_rank.rebase_tree((deltas, self.q, stack([c.factor for c in self.clients])), wide)
         q = factors.multiply(q, factors.product(deltas))
@@ -294,7 +297,7 @@ def as_numpy(g: Gaussian) -> Gaussian:
 
 def stack(gaussians: list[Gaussian]) -> Gaussian:
     """Gaussians of one family stacked on a new leading axis (as jax arrays)."""
-    return jax.tree.map(lambda *xs: jax.numpy.stack([jax.numpy.asarray(x, jax.numpy.float32) for x in xs]), *gaussians)
+    return jax.tree.map(lambda *xs: jnp.stack([jnp.asarray(x, jnp.float32) for x in xs]), *gaussians)
 
 
 def saved_gaussian(arrays: dict, prefix: str) -> Gaussian:
