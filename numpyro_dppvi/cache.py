@@ -61,3 +61,9 @@ def cached(key: tuple, build: Callable[[], Callable]) -> Callable:
     while len(_PROGRAMS) > _MAX_ENTRIES:
         _PROGRAMS.popitem(last=False)
     return program
+
+
+def clear() -> None:
+    """Drop every stored program and traced model: the next fit traces and compiles afresh. For what a key cannot
+    see, such as a library function patched at run time (``monkeypatch.setattr(jax.random, "normal", ...)``)."""
+    _PROGRAMS.clear()

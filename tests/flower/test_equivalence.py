@@ -89,8 +89,7 @@ def dense(q):
     return np.asarray(mean), np.asarray(precision)
 
 
-@pytest.mark.parametrize("method,schedule", [("pvi", "synchronous"), ("pvi", "sequential"),
-                                             ("dp_optimisation", "synchronous")])
+@pytest.mark.parametrize("method,schedule", [("pvi", "sequential"), ("dp_optimisation", "synchronous")])
 def test_inprocess_grid_reproduces_a_low_rank_fit(method, schedule, clients, tmp_path, monkeypatch):
     """``family="low_rank"`` (schema 4): the instructions carry ``q`` and ``t_m`` as diagonal, core and public
     basis; each node answers in its wider basis ``[B, E]``; the server widens ``B``, rebases, adds and truncates

@@ -22,6 +22,7 @@ import optax
 import pytest
 
 import numpyro_dppvi as dppvi
+from numpyro_dppvi import cache
 from numpyro_dppvi.privacy import Privacy, gaussian_noise_like
 from numpyro_dppvi.privacy import noise as noise_module
 
@@ -141,7 +142,9 @@ def recorded_normal_keys(monkeypatch):
 
     monkeypatch.setattr(jax.random, "normal", recording(jax.random.normal))
     monkeypatch.setattr(noise_module, "standard_normal", recording(noise_module.standard_normal))
-    return seen
+    cache.clear()  # programs are keyed by structure: a patched library function is invisible to the key
+    yield seen
+    cache.clear()  # and no later test may reuse a program traced with the recorder
 
 
 def assert_all_distinct(seen):
