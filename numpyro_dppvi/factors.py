@@ -113,6 +113,12 @@ def num_parameters(dim: int, family: str, rank: int = 0) -> int:
     return 2 * dim + dim * rank if family == "low_rank" else num_coordinates(dim, family)
 
 
+def resolved_rank(dim: int, rank: int | None = None) -> int:
+    """The rank of a low-rank fit over ``dim`` latents: ``rank``, or ``round(sqrt(D))`` when it is not given, at most
+    ``D``."""
+    return min(rank or max(1, round(dim ** 0.5)), dim)
+
+
 def check_family(family: str, caller: str) -> str:
     if family not in FAMILIES:
         raise ValueError(f"{caller}: unknown family {family!r}; choose one of {FAMILIES} (mean_field: independent "

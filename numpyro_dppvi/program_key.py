@@ -88,9 +88,9 @@ def _key(obj, active):
         return (types.MethodType, key(obj.__func__), key(obj.__self__))
     if dataclasses.is_dataclass(obj) and not isinstance(obj, type):
         return (type(obj),) + tuple((f.name, key(getattr(obj, f.name))) for f in dataclasses.fields(obj))
-    if _is_array(obj):
-        array = np.asarray(obj)
-        if array.nbytes <= MAX_ARRAY_BYTES and array.dtype.kind in "biufc":
+    if _is_array(obj) and np.dtype(obj.dtype).kind in "biufc":
+        if int(np.prod(obj.shape)) * np.dtype(obj.dtype).itemsize <= MAX_ARRAY_BYTES:  # read before any host copy
+            array = np.asarray(obj)
             return ("array", type(obj), array.shape, str(array.dtype), array.tobytes())
     return Identity(obj)
 

@@ -95,9 +95,9 @@ class LocalSettings:
     def resolved_rank(self, dim: int) -> int:
         """The rank of a low-rank fit over ``dim`` latents (``fit_dppvi``'s rule: ``rank`` or ``round(sqrt(D))``,
         at most ``D``); 0 for the other families."""
-        if self.family != "low_rank":
-            return 0
-        return min(self.rank or max(1, round(dim ** 0.5)), dim)
+        from ..factors import resolved_rank
+
+        return resolved_rank(dim, self.rank) if self.family == "low_rank" else 0
 
     def to_json(self) -> str:
         return json.dumps(dataclasses.asdict(self), sort_keys=True)

@@ -482,7 +482,7 @@ class DPPVI:
         # noise coordinates of one release: a change of (eta1, eta2), or DP-SGD's gradient of (loc, log_scale) or
         # of the full-rank (loc, log_diag, offdiag), as many: 2 D or D (D + 3) / 2
         if self.family == "low_rank":
-            self.rank = min(self.rank or max(1, round(a.dim ** 0.5)), a.dim)
+            self.rank = factors.resolved_rank(a.dim, self.rank)
         dimension = (factors.num_parameters if self.method == "dp_optimisation" else factors.num_coordinates)(
             a.dim, self.family, self.rank or 0)
         if self.method in UPDATE_METHODS:
