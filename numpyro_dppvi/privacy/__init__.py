@@ -43,6 +43,7 @@ from .mechanisms import (
     symmetric_gaussian_noise,
     tree_norm,
 )
+from .sizes import SizeDisclosureWarning, declared_sizes, public_client_sizes
 from .sampling import (
     inclusion_threshold,
     poisson_batch,
@@ -57,7 +58,7 @@ __all__ = [
     "split_noise_multiplier",
     "AuditResult", "audit", "clopper_pearson_upper", "epsilon_lower_bound",
     "BACKENDS", "epsilon_of_events", "calibrate_noise", "plan_epsilon",
-    "Privacy",
+    "Privacy", "SizeDisclosureWarning", "declared_sizes", "public_client_sizes",
     "NEIGHBOURING_RELATIONS", "SAMPLING_SCHEMES", "GaussianEvent", "merge_events", "sensitivity",
     "NotPrivate", "PrivacyLedger",
     "add_frobenius_symmetric_noise", "add_gaussian_noise", "add_symmetric_noise",

@@ -28,6 +28,7 @@ from .adaptive_clip import AdaptiveClip, count_sensitivity, split_noise_multipli
 from .calibration import calibrate_noise, plan_charges, plan_epsilon
 from .events import GaussianEvent, check_neighbouring, sensitivity
 from .ledger import PrivacyLedger
+from .sizes import validated_public_sizes
 
 _SAMPLERS = ("poisson", "without_replacement")
 
@@ -78,6 +79,11 @@ class Privacy:
       epsilon_max: per-client stop rule: a float for all clients or one value per client; a
         client whose next step would exceed it stops contributing.
       adaptive_clip: :class:`AdaptiveClip` settings, or None for a fixed clip.
+      public_sizes: a public upper bound on each client's number of rows (one int for all, or one
+        per client). Every setting derived from a size (sampling rates, the sampler's charges, shard
+        counts, scales, shapes) is then computed from it, so nothing published depends on a private
+        size (:mod:`~numpyro_dppvi.privacy.sizes`). None: the observed sizes (public by definition
+        under substitute; disclosed, with a warning, under add/remove).
     """
 
     epsilon: float | None = None
@@ -89,6 +95,7 @@ class Privacy:
     accountant: str = "pld"
     epsilon_max: float | Sequence[float] | None = None
     adaptive_clip: AdaptiveClip | None = None
+    public_sizes: int | Sequence[int] | None = None
 
     def __post_init__(self):
         set_ = object.__setattr__
@@ -121,6 +128,7 @@ class Privacy:
             backends.check_pld_size([(self.noise_multiplier, "poisson", 0.5, 1)], self.neighbouring,
                                     backends.PLD_DISCRETIZATION)
         set_(self, "epsilon_max", self._validated_epsilon_max(self.epsilon_max))
+        set_(self, "public_sizes", validated_public_sizes(self.public_sizes))
         if self.adaptive_clip is not None and not isinstance(self.adaptive_clip, AdaptiveClip):
             raise TypeError("adaptive_clip must be an AdaptiveClip(...) or None.")
 

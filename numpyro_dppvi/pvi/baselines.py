@@ -20,6 +20,8 @@
 
 from __future__ import annotations
 
+import dataclasses
+
 import time
 import warnings
 
@@ -54,6 +56,11 @@ def fit_global_vi(model, clients, *, steps: int = 1000, steps_per_round: int = 1
         raise ValueError(f"fit_global_vi: steps ({steps}) must be a multiple of steps_per_round ({steps_per_round})")
     pooled = tuple(np.concatenate(parts) for parts in zip(*clients))
     rounds = steps // steps_per_round
+    if privacy is not None and isinstance(privacy.public_sizes, tuple):  # one bound per client: the pool's is their sum
+        if len(privacy.public_sizes) != len(clients):
+            raise ValueError(f"fit_global_vi: Privacy(public_sizes=...) has {len(privacy.public_sizes)} values for "
+                             f"{len(clients)} client(s); give one bound per client, or one int for the pooled data.")
+        privacy = dataclasses.replace(privacy, public_sizes=sum(privacy.public_sizes))
     driver = DPPVI(model, method="pvi" if privacy is None else "dp_optimisation", schedule="sequential",
                    optimizer=optimizer, local_steps=steps_per_round, batch_size=batch_size, num_samples=num_samples,
                    damping=1.0, privacy=privacy, rounds=rounds, family=family, rank=rank)

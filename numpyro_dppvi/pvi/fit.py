@@ -37,6 +37,7 @@ from ..privacy import Privacy, PrivacyLedger
 from ..optim import Newton, cvi, natural_gradient
 from ..privacy.adaptive_clip import adaptive_clip_init
 from ..privacy.noise import float32_at_least
+from ..privacy.sizes import public_client_sizes
 from ..results import DPPVIResult
 from . import server
 from .full_rank import NonPrivateFullRank, ServerFactorStepFullRank
@@ -44,7 +45,7 @@ from .low_rank import NonPrivateLowRank, ServerFactorStepLowRank
 from .local import DPOptimisation, NonPrivate, ServerFactorStep
 from .privacy_plan import check_subsampled, client_level_plan, dp_sgd_plan, shard_update_plan
 from .server import SCHEDULES, PVIState
-from .shards import ROWS, make_shards
+from .shards import ROWS, make_shards, shard_counts
 from .update_perturbation import INVALID_RULES, LocalAveraging, VirtualClients, trusted_aggregator_round
 
 METHODS = ("pvi", "dp_optimisation", "local_averaging", "virtual_clients", "parameter_perturbation")
@@ -472,31 +473,38 @@ class DPPVI:
         trace the model, make the privacy plan and the local rule, and compile the round."""
         clients = validate_clients(clients)
         self.clients = clients
+        observed = [len(c[0]) for c in clients]
+        # every size-derived setting below (rates, charges, shard counts, scales, shapes, arrival weights)
+        # comes from these: declared public bounds, else the observed sizes (privacy.sizes)
+        p = self.privacy
+        sizes = np.asarray(observed, np.int64) if p is None or self.privacy_unit == "client" else \
+            public_client_sizes(p, observed, self.caller)
         if self.method == "dp_optimisation":  # before tracing the model: a quick, clear error
-            check_subsampled(self.batch_size, [len(c[0]) for c in clients], self.caller)
+            check_subsampled(self.batch_size, sizes, self.caller)
         self.adapter = model_adapter(self.model, clients)
         for m, c in enumerate(clients):
             self.adapter.validate_data(c, f"client {m}")
         self.num_clients = len(clients)
-        a, p = self.adapter, self.privacy
+        a = self.adapter
         # noise coordinates of one release: a change of (eta1, eta2), or DP-SGD's gradient of (loc, log_scale) or
         # of the full-rank (loc, log_diag, offdiag), as many: 2 D or D (D + 3) / 2
         if self.family == "low_rank":
             self.rank = factors.resolved_rank(a.dim, self.rank)
         dimension = (factors.num_parameters if self.method == "dp_optimisation" else factors.num_coordinates)(
             a.dim, self.family, self.rank or 0)
+        declared = p is not None and p.public_sizes is not None
         if self.method in UPDATE_METHODS:
-            layout = self.shard_layout(clients, key_data)
+            layout = self.shard_layout(clients, key_data, counts=shard_counts(sizes, self.shards) if declared else None)
             self.num_shards = layout.num_shards
             self.shard_ids = layout.ids
-        else:
-            layout = pad_clients(clients)
+        else:  # declared sizes also fix the padded shape
+            layout = pad_clients(clients, size=int(sizes.max()) if declared else None)
         self.data = tuple(to_device(x) for x in layout.arrays)
         self.mask = to_device(layout.mask)
-        self.sizes = to_device(layout.sizes, np.float32)
-        self.public_sizes = np.asarray(layout.sizes, int)
+        self.sizes = to_device(sizes, np.float32)
+        self.public_sizes = np.asarray(sizes, int)
         if self.method == "dp_optimisation":
-            self.plan = dp_sgd_plan(p, layout.sizes, self.batch_size, self.local_steps, self.planned_rounds, dimension)
+            self.plan = dp_sgd_plan(p, sizes, self.batch_size, self.local_steps, self.planned_rounds, dimension)
             self.rule = DPOptimisation(a.log_lik_rows, a.dim, self.optimizer, self.local_steps, self.batch_size,
                                        self.num_samples, log_lik_row=a.log_lik_row_blocks, clip=p.clip,
                                        sampling=p.sampling, max_batch=self.plan.max_batch,
@@ -720,6 +728,8 @@ class DPPVI:
                 "adaptive_clip": None if p.adaptive_clip is None else dataclasses.asdict(p.adaptive_clip),
                 "noise_multiplier": [float(z) for z in self.plan.noise_multipliers],
             }
+            if p.public_sizes is not None:  # absent otherwise, as in checkpoints written before it existed
+                out["privacy"]["public_sizes"] = [int(n) for n in self.public_sizes]
         return out
 
     config = settings

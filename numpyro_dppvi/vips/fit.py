@@ -40,6 +40,7 @@ from numpyro_dppvi.privacy import Privacy
 from numpyro_dppvi.vips.detect import detect_conjugate
 from numpyro_dppvi.vips.engine import (
     blend, is_conjugate_model, joint_sensitivity, scale_bounds, scale_ess, step_size)
+from numpyro_dppvi.privacy.sizes import public_client_sizes
 from numpyro_dppvi.vips.release import noise_coordinates, plan_release, release_ess
 from numpyro_dppvi.vips.results import VIPSResult
 
@@ -137,11 +138,13 @@ def fit_vips(model, data, *, privacy=None, batch_size: int | None = None, steps:
         model, data = detection.model, detection.data
     data = model.validate_data(_check_data(data))
     n = int(data[0].shape[0])
-    batch_size = n if batch_size is None else batch_size
+    # the size every published setting is derived from: a declared public bound, else n (privacy.sizes)
+    size = int(public_client_sizes(privacy, [n], "fit_vips")[0]) if isinstance(privacy, Privacy) else n
+    batch_size = size if batch_size is None else batch_size
     if steps is not None and iterations is not None and steps != iterations:
         raise ValueError(f"fit_vips: give steps (or its earlier name iterations), not both: {steps} vs {iterations}")
     iterations = steps if steps is not None else (iterations if iterations is not None else 100)
-    _check_schedule(batch_size, iterations, tau0, kappa, n)
+    _check_schedule(batch_size, iterations, tau0, kappa, size)
     iterations = int(iterations)
     key_data, seed = resolve_key(rng_key)
     key_init, key_steps = jax.random.split(jax.random.wrap_key_data(key_data))
@@ -154,13 +157,13 @@ def fit_vips(model, data, *, privacy=None, batch_size: int | None = None, steps:
         shapes = jax.eval_shape(lambda: model.clipped_ess_sum(
             model.expected_natural_params(model.prior_params()), tuple(a[:1] for a in data), jnp.ones(1, bool),
             bounds)[0])
-        release = plan_release(privacy, model.block_bounds, n=n, batch_size=int(batch_size),
+        release = plan_release(privacy, model.block_bounds, n=n, batch_size=int(batch_size), size=size,
                                iterations=iterations,
                                dimension=noise_coordinates(shapes, tuple(model.symmetric_blocks)))
         sampler, bounds = release.sampler, release.bounds
     else:
         sampler, bounds = _non_private_batch(n, int(batch_size)), None
-    scale = n / float(batch_size)
+    scale = size / float(batch_size)  # 1 / rate: the sum over the batch estimates the sum over the rows
     symmetric = tuple(model.symmetric_blocks)
 
     def one_step(arrays, params, inputs):
@@ -193,7 +196,7 @@ def fit_vips(model, data, *, privacy=None, batch_size: int | None = None, steps:
     return VIPSResult(model=model, params=params, history=history, privacy=ledger,
                       noise_multiplier=None if release is None else release.noise_multiplier,
                       numpyro_model=numpyro_model, site_map=site_map,
-                      info={"num_data": n, "batch_size": int(batch_size), "iterations": iterations,
+                      info={"num_data": size, "batch_size": int(batch_size), "iterations": iterations,
                             "tau0": float(tau0), "kappa": float(kappa),
                             "joint_clip": None if bounds is None else joint_sensitivity(bounds),
                             **({"observed": observed} if observed else {})})

@@ -64,23 +64,26 @@ class ReleasePlan:
         return ledger
 
 
-def make_sampler(privacy: Privacy, n: int, batch_size: int, iterations: int):
-    """``(sampler, rate, overflow_probability)`` for the configured sampling scheme."""
-    rate = batch_size / n
-    if batch_size == n:
+def make_sampler(privacy: Privacy, n: int, batch_size: int, iterations: int, size: int | None = None):
+    """``(sampler, rate, overflow_probability)`` for the configured sampling scheme over ``n`` rows;
+    the rate, pad and charge come from ``size`` (the public size, :mod:`~numpyro_dppvi.privacy.sizes`;
+    default ``n``), the largest number of rows the guarantee covers."""
+    size = n if size is None else int(size)
+    rate = batch_size / size
+    if batch_size == size:
         def sample_all(key):
             del key
             return jnp.arange(n), jnp.ones(n, dtype=bool)
         return sample_all, 1.0, 0.0
     if privacy.sampling == "poisson":
-        pad = poisson_pad_size(n, rate, iterations)
-        overflow = poisson_overflow_probability(n, rate, pad)
+        pad = poisson_pad_size(size, rate, iterations)
+        overflow = poisson_overflow_probability(size, rate, pad)
         return (lambda key: poisson_batch(key, n, rate, pad)), rate, overflow
     return (lambda key: without_replacement_batch(key, n, batch_size)), rate, 0.0
 
 
 def plan_release(privacy: Privacy, block_bounds, n: int, batch_size: int, iterations: int,
-                 dimension: int = 1) -> ReleasePlan:
+                 dimension: int = 1, size: int | None = None) -> ReleasePlan:
     """Clip bounds, sampler, noise (calibrated to ``privacy.epsilon`` if no noise is given)
     and the event of a private VIPS fit of ``iterations`` steps, each drawing ``dimension`` noise
     coordinates (:func:`noise_coordinates`)."""
@@ -92,7 +95,7 @@ def plan_release(privacy: Privacy, block_bounds, n: int, batch_size: int, iterat
     if privacy.adaptive_clip is not None:
         raise ValueError("VIPS clips every ESS block to its declared bound; adaptive_clip is not supported.")
     bounds = scale_bounds(block_bounds, privacy.clip)
-    sampler, rate, overflow = make_sampler(privacy, n, batch_size, iterations)
+    sampler, rate, overflow = make_sampler(privacy, n, batch_size, iterations, size)
 
     def plan(noise_multiplier):
         return [privacy.step_event(noise_multiplier, rate, iterations, overflow, dimension)]

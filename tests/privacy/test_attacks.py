@@ -566,3 +566,127 @@ def test_charges_past_the_reserve_are_taken_out_or_refused_with_the_fix():
         budget.accounting_delta(1e-5 / (1.0 + np.e))
     for delta in np.random.default_rng(1).uniform(1e-12, 0.5, size=1000):
         assert budget_delta(delta) + DELTA_RESERVE * delta <= delta
+
+
+# --------------------------------------------------------------------------- issue 24, finding 1
+
+SIZE_CASES = {
+    "dp_optimisation": dict(DP),
+    "dp_optimisation_asynchronous": dict(DP, schedule="asynchronous"),
+    "local_averaging": dict(method="local_averaging", batch_size=5, local_steps=2, num_samples=2),
+    "virtual_clients": dict(method="virtual_clients", local_steps=2, num_samples=2),
+    "trusted_aggregator": dict(method="local_averaging", batch_size=5, trusted_aggregator=True, local_steps=2,
+                               num_samples=2),
+}
+
+
+#: History entries computed from ``q`` and the noisy releases (post-processing, published like ``q``).
+FROM_Q = ("change", "invalid_updates", "invalid_clients", "rejected_round", "failed", "failed_sites")
+
+
+def published(result, path) -> tuple[dict, dict]:
+    """The saved file of ``result``: its arrays and its metadata (every published field)."""
+    result.save(path)
+    return checkpoint.load(path)
+
+
+def size_of_client_0(meta) -> float:
+    """The attack: client 0's size from its published ledger event. Its overflow charge is
+    ``(q (n + 1) + chunk) 2^-48 / q`` (privacy.sampling.poisson_fold_deviation) at the published rate ``q``."""
+    from numpyro_dppvi.privacy.sampling import GAP_DEVIATION, fold_chunk
+    event = meta["privacy"]["events"][0][0]
+    q, per_step = event["rate"], event["overflow_probability"]
+    return (per_step * q / GAP_DEVIATION - fold_chunk(meta["config"]["batch_size"])) / q - 1.0
+
+
+def test_an_undeclared_size_under_add_remove_is_disclosed_and_says_so(tmp_path):
+    """Finding 1. Attacker: the public, with the published file of a fit on ``D`` or on ``D`` plus one
+    record, and the code. Attack: read client 0's size off its ledger event (rate and overflow charge).
+    Before: it gave ``n`` exactly (200.000 against 201.000) while the file reported the add/remove epsilon,
+    without a word. Now such a fit says so (``SizeDisclosureWarning``, naming the fixes) — and with declared
+    sizes (next test) the attack finds the declared bound, the same for both."""
+    clients = data(n=60, m=3)
+    bigger = [tuple(np.concatenate([a, a[:1]]) for a in clients[0])] + list(clients[1:])
+    found = []
+    for ds in (clients, bigger):
+        with pytest.warns(dppvi.privacy.SizeDisclosureWarning, match="public_sizes"):
+            result = dppvi.fit_dppvi(logistic, ds, rng_key=jax.random.key(3), **DP)
+        found.append(size_of_client_0(published(result, tmp_path / "r.npz")[1]))
+    np.testing.assert_allclose(found, [len(clients[0][0]), len(clients[0][0]) + 1], atol=1e-3)
+    declared = Privacy(noise_multiplier=1.0, clip=1.0, public_sizes=40)
+    result = dppvi.fit_dppvi(logistic, bigger, rng_key=jax.random.key(3), **dict(DP, privacy=declared))
+    assert size_of_client_0(published(result, tmp_path / "r.npz")[1]) == pytest.approx(40, abs=1e-3)
+
+
+@pytest.mark.parametrize("case", list(SIZE_CASES))
+def test_a_fit_on_d_and_on_d_plus_one_record_publish_the_same_fields_but_q(case, tmp_path):
+    """Finding 1, what must show. Attacker: the public, holding the published files of a fit on ``D`` and on
+    ``D`` plus one record (add/remove, the default relation), same settings and key. With the clients' sizes
+    declared public (``Privacy(public_sizes=...)``, upper bounds) every published field but ``q`` — ledger
+    events, calibrated noise multipliers, shard counts, settings, history — is identical, for DP-SGD (both
+    schedules: the asynchronous server weighs arrivals by size) and the shard methods (shard counts from the
+    bound). Before: the rate, the overflow charge and the calibrated noise multiplier of the larger client
+    differed (DP optimisation), as did its shard count ("rows") and its noise multiplier."""
+    clients = data(n=60, m=3)
+    extra = [tuple(np.concatenate([a, a[-1:] * 0.5]) for a in clients[0])] + list(clients[1:])
+    options = dict(schedule="synchronous", rounds=2, optimizer=optax.adam(5e-2))
+    options.update(SIZE_CASES[case])
+    budget = Privacy(epsilon=2.0, clip=1.0, public_sizes=[30, 30, 30])
+    files = []
+    for i, ds in enumerate((clients, extra)):
+        result = dppvi.fit_dppvi(logistic, ds, rng_key=jax.random.key(5), **dict(options, privacy=budget))
+        files.append(published(result, tmp_path / f"{i}.npz"))
+    (arrays_d, meta_d), (arrays_e, meta_e) = files
+    assert set(arrays_d) == set(arrays_e) == {"['q'].eta1", "['q'].eta2"}
+    assert set(meta_d) == set(meta_e)
+    for meta in (meta_d, meta_e):  # values computed from q (and the noisy releases it is made of) are q's
+        for entry in meta["history"]:
+            for name in FROM_Q:
+                entry.pop(name, None)
+        meta.pop("convergence", None)
+    differing = [k for k in meta_d if meta_d[k] != meta_e[k]]
+    assert differing == [], [(k, meta_d[k], meta_e[k]) for k in differing]
+    assert meta_d["config"]["privacy"]["public_sizes"] == [30, 30, 30]
+
+
+def test_a_client_above_its_declared_size_is_refused_with_the_fix():
+    """A declared size is an upper bound the guarantee covers; a client holding more rows is refused before
+    anything runs (the error stays with the data holder), naming the fix."""
+    with pytest.raises(ValueError, match=r"client\(s\) \[0\] hold \[21\] rows.*public_sizes"):
+        dppvi.fit_dppvi(logistic, data(n=61, m=3), rng_key=jax.random.key(0),
+                        **dict(DP, privacy=Privacy(noise_multiplier=1.0, public_sizes=20)))
+    with pytest.raises(ValueError, match="2 values for 3 client"):
+        dppvi.fit_dppvi(logistic, data(n=60, m=3), rng_key=jax.random.key(0),
+                        **dict(DP, privacy=Privacy(noise_multiplier=1.0, public_sizes=[30, 30])))
+
+
+@pytest.mark.parametrize("fit", ["global_vi", "vips"])
+def test_pooled_fits_on_d_and_on_d_plus_one_record_publish_the_same_fields_but_q(fit, tmp_path):
+    """Finding 1 for the pooled fits: global DP-VI (one bound per client, pooled as their sum) and VIPS (the
+    Poisson rate, pad and overflow charge, the scale ``1 / rate`` and the published ``num_data`` from the
+    declared bound). Before: VIPS published ``num_data = n`` and an overflow charge computed at ``n``."""
+    rng = np.random.default_rng(2)
+    x = rng.normal(size=(90, 2)).astype(np.float32) * 0.3
+    y = (x @ np.array([1.0, -1.0]) + 0.1 * rng.normal(size=90)).astype(np.float32)
+    one_more = (np.concatenate([x, x[:1] * 0.5]), np.concatenate([y, y[:1]]))
+    metas = []
+    for i, ds in enumerate(((x, y), one_more)):
+        if fit == "vips":
+            result = dppvi.fit_vips(BayesianLinearRegression(2, noise_scale=1.0, feature_bound=1.0, target_bound=1.0),
+                                    ds, privacy=Privacy(epsilon=2.0, public_sizes=100), batch_size=20, steps=10,
+                                    rng_key=jax.random.key(4))
+        else:
+            clients = [tuple(a[:50] for a in ds), tuple(a[50:] for a in ds)]
+            result = dppvi.fit_global_vi(logistic, [(c[0], (c[1] > 0).astype(np.float32)) for c in clients],
+                                         privacy=Privacy(epsilon=2.0, public_sizes=[60, 60]), steps=20,
+                                         steps_per_round=10, batch_size=10, rng_key=jax.random.key(4))
+        metas.append(published(result, tmp_path / f"{i}.npz")[1])
+    for meta in metas:
+        for entry in meta["history"]:
+            for name in FROM_Q:
+                entry.pop(name, None)
+        meta.pop("convergence", None)
+    assert set(metas[0]) == set(metas[1])
+    differing = [k for k in metas[0] if metas[0][k] != metas[1][k]]
+    assert differing == [], [(k, metas[0][k], metas[1][k]) for k in differing]
+    assert "100" in json.dumps(metas[0]) or "120" in json.dumps(metas[0])
