@@ -31,6 +31,10 @@ from contextlib import contextmanager
 from pathlib import Path
 
 SPLITS = {"balanced": (0.0, 0.0), "unbalanced": (0.7, -3.0)}
+#: Each simulated data holder's public upper bound on its rows (``Privacy(public_sizes=...)``): a statement
+#: made before the fit, like "at most 4,000 patients", not computed from the data (the splits hold
+#: 3,907-3,908 rows per client, and 1,172 / 6,642-6,643).
+PUBLIC_SIZES = {"balanced": [4000] * 10, "unbalanced": [1200] * 5 + [6700] * 5}
 
 
 def logistic_model():
@@ -40,8 +44,9 @@ def logistic_model():
     return logistic_regression
 
 
-def demo_methods(rounds: int | None, epsilon: float = 1.0, delta: float = 1e-5):
-    """``name -> callable(model, clients, eval_data, rng_key) -> result`` for the demo table.
+def demo_methods(rounds: int | None, epsilon: float = 1.0, delta: float = 1e-5, public_sizes=None):
+    """``name -> callable(model, clients, eval_data, rng_key) -> result`` for the demo table;
+    ``public_sizes``: the clients' declared bounds (:data:`PUBLIC_SIZES`).
 
     Private methods run at ``(epsilon, delta)`` with add/remove neighbours and Poisson sampling; DP-PVI
     uses the settings tuned on Adult (sequential, 5 rounds of 20 DP-SGD steps, clip 2, damping 0.5);
@@ -55,7 +60,7 @@ def demo_methods(rounds: int | None, epsilon: float = 1.0, delta: float = 1e-5):
     from .privacy import Privacy
 
     adam = optax.adam(1e-2)
-    private = Privacy(epsilon=epsilon, delta=delta, clip=2.0)
+    private = Privacy(epsilon=epsilon, delta=delta, clip=2.0, public_sizes=public_sizes)
     methods = {
         # non-private PVI with the library's defaults (issue 21: optim.cvi() local steps on the whole
         # client, tail-averaged); synchronous rounds over 10 clients need damping of about 1/M
@@ -80,12 +85,14 @@ def demo_methods(rounds: int | None, epsilon: float = 1.0, delta: float = 1e-5):
         "DP BCM (same prior)": lambda m, c, e, k: pvi.fit_bcm(
             m, c, prior="same", local_steps=100, optimizer=adam, rng_key=k, eval_data=e, privacy=private),
         "DP local averaging (TA)": lambda m, c, e, k: pvi.fit_dppvi(
-            m, c, method="local_averaging", privacy=Privacy(epsilon=epsilon, delta=delta, clip=1.0),
+            m, c, method="local_averaging", privacy=Privacy(
+                epsilon=epsilon, delta=delta, clip=1.0, public_sizes=public_sizes),
             schedule="synchronous", trusted_aggregator=True, rounds=2, local_steps=20, optimizer=adam,
             damping=0.5, shards=lambda n: max(n // 10, 1), invalid="floor", precision_floor=1.0, rng_key=k,
             eval_data=e, progress=True),
         "DP virtual clients (TA)": lambda m, c, e, k: pvi.fit_dppvi(
-            m, c, method="virtual_clients", privacy=Privacy(epsilon=epsilon, delta=delta, clip=1.0),
+            m, c, method="virtual_clients", privacy=Privacy(
+                epsilon=epsilon, delta=delta, clip=1.0, public_sizes=public_sizes),
             schedule="synchronous", trusted_aggregator=True, rounds=5, local_steps=10,
             optimizer=natural_gradient(0.5), damping=0.1, shards="rows", invalid="floor",
             precision_floor=10.0, rng_key=k, eval_data=e, progress=True),
@@ -107,11 +114,11 @@ def demo(args) -> int:
     rows, notes = [], []
     print(f"UCI Adult: {x.shape[0]} training rows, {x_test.shape[0]} test rows, {x.shape[1]} features; "
           f"10 clients; logistic regression with N(0, 1) priors; private methods at epsilon={args.epsilon}, "
-          "delta=1e-5 (add/remove neighbours, Poisson sampling)\n")
-    methods = demo_methods(args.rounds, args.epsilon)
-    total = len(args.splits) * len(methods)
+          "delta=1e-5 (add/remove neighbours, Poisson sampling, declared public bounds on the client sizes)\n")
+    total = len(args.splits) * len(demo_methods(args.rounds, args.epsilon))
     for split in args.splits:
         rho, kappa = SPLITS[split]
+        methods = demo_methods(args.rounds, args.epsilon, public_sizes=PUBLIC_SIZES[split])
         clients = partition((x, y), num_clients=10, rho=rho, kappa=kappa, labels=y, seed=0)
         for name, fit in methods.items():
             # the progress bars below are the library's (labelled "<method>/<schedule>" only): say whose they are

@@ -82,7 +82,8 @@ def hello(message: Message, context: Context) -> Message:
             client_store.save(state, node)
     model = node.model if request.model == node.model else ""
     identity = Identity(node.client_id, model, tuple(tuple(s) for s in state.row_shapes), tuple(state.row_dtypes),
-                        state.num_rows, node.methods, None if state.ledger is None else state.ledger.to_dict())
+                        node.size_of(state.num_rows), node.methods,
+                        None if state.ledger is None else state.ledger.to_dict())
     return Message(encode_identity(identity), reply_to=message)
 
 
@@ -166,7 +167,7 @@ def take_step(node: NodeSettings, state: ClientState, instruction: Instruction, 
         else:
             key = local_update.noise_key(state.seed, state.exchanges)
         delta, rule_state, loss, finite = local_update.run_update(rule, i.settings.damping, i.q, i.t_m, arrays, key,
-                                                                  rule_state)
+                                                                  rule_state, node.size_of(state.num_rows))
 
     # -- the charge, written durably before anything leaves the client
     if plan is not None:
@@ -254,9 +255,10 @@ def budget_check(node: NodeSettings, state: ClientState, fit: dict | None, i: In
     # (loc, log_scale, W)
     dimension = local_update.noise_dimension(i.settings, int(np.shape(i.q.eta1)[-1]))
     try:
-        plan = (local_update.calibrated_plan(node, i.settings, state.num_rows, dimension, ledger.events(0))
+        size = node.size_of(state.num_rows)  # a declared public bound, else the number of rows
+        plan = (local_update.calibrated_plan(node, i.settings, size, dimension, ledger.events(0))
                 if fit is None or fit["noise_multiplier"] is None else
-                local_update.pinned_plan(node, i.settings, state.num_rows, dimension, fit["noise_multiplier"]))
+                local_update.pinned_plan(node, i.settings, size, dimension, fit["noise_multiplier"]))
     except ValueError as exc:  # settings that cannot be calibrated, or no noise meets what is left of the budget
         return None, f"this instruction cannot be calibrated on this node: {exc}", False
     if ledger.epsilon_if(0, plan.event(0, 1)) > node.epsilon * (1 + 1e-9):

@@ -61,7 +61,8 @@ class ClientState:
         accountant; a ledger kept under other settings is refused (its events would be misread)."""
         delta = node.delta if node.epsilon is None else budget_delta(node.delta)  # Privacy.accounting_delta
         if self.ledger is None:
-            self.ledger = PrivacyLedger(1, delta, node.neighbouring, node.accountant, seed=self.seed_kind)
+            self.ledger = PrivacyLedger(1, delta, node.neighbouring, node.accountant, seed=self.seed_kind,
+                                        sizes="declared" if node.public_size is not None else "observed")
         for name, now in (("delta", delta), ("neighbouring", node.neighbouring), ("accountant", node.accountant)):
             kept = getattr(self.ledger, name)
             if name == "delta" and kept == node.delta:

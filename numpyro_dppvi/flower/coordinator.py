@@ -339,7 +339,9 @@ def combined_ledger(ledgers: list[dict | None]):
     units = lambda r: (r.delta, r.neighbouring, r.accountant, r.seed)
     if any(units(r) != units(first) for r in known):
         return ClientLedgers(known)
-    out = PrivacyLedger(len(rows), first.delta, first.neighbouring, first.accountant, seed=first.seed)
+    kinds = {r.sizes for r in known}  # one node without a declared bound makes the whole a disclosure
+    sizes = kinds.pop() if len(kinds) == 1 else ("observed" if "observed" in kinds else "unspecified")
+    out = PrivacyLedger(len(rows), first.delta, first.neighbouring, first.accountant, seed=first.seed, sizes=sizes)
     for m, row in enumerate(rows):
         if row is None:
             continue

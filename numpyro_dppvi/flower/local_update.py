@@ -215,14 +215,16 @@ def _update(rule, damping: float, q: Gaussian, t_m: Gaussian, arrays, mask, n, k
     return delta, kept, metrics["loss"], finite
 
 
-def run_update(rule, damping: float, q: Gaussian, t_m: Gaussian, arrays, key, rule_state):
+def run_update(rule, damping: float, q: Gaussian, t_m: Gaussian, arrays, key, rule_state, size: int | None = None):
     """``(delta, rule_state, loss, finite)`` of one local update on the client's own (unpadded) rows,
-    jitted once per rule and damping."""
+    jitted once per rule and damping; ``size``: the public size the objective is scaled by (default the
+    number of rows; :meth:`~numpyro_dppvi.flower.settings.NodeSettings.size_of`)."""
     program = cached(("flower-local-update", rule, float(damping)),
                      lambda: jax.jit(functools.partial(_update, rule, float(damping))))
     arrays = tuple(jnp.asarray(a) for a in arrays)
     n = arrays[0].shape[0]
     mask = jnp.ones(n, bool)
     as32 = lambda g: jax.tree.map(lambda x: jnp.asarray(x, jnp.float32), g)
-    delta, rule_state, loss, finite = program(as32(q), as32(t_m), arrays, mask, jnp.float32(n), key, rule_state)
+    delta, rule_state, loss, finite = program(as32(q), as32(t_m), arrays, mask, jnp.float32(n if size is None else size),
+                                              key, rule_state)
     return jax.tree.map(np.asarray, delta), rule_state, float(loss), bool(finite)

@@ -99,7 +99,7 @@ class Identity:
     model: str
     row_shapes: tuple
     row_dtypes: tuple
-    num_rows: int
+    num_rows: int  # the node's public size: its declared public-size bound, else its number of rows
     methods: tuple
     ledger: dict | None = None
 

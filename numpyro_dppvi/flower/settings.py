@@ -16,6 +16,7 @@ from __future__ import annotations
 
 import dataclasses
 import json
+import logging
 import math
 import os
 from dataclasses import dataclass
@@ -31,6 +32,9 @@ FAMILIES = ("mean_field", "full_rank", "low_rank")
 #: Environment variable a node must set before ``unsafe-test-fit-key`` is honoured (tests only).
 TEST_KEYS_ENV = "NUMPYRO_DPPVI_FLOWER_TEST_KEYS"
 
+
+
+log = logging.getLogger("numpyro_dppvi.flower.client")
 
 class SettingsError(ValueError):
     """A setting is missing or wrong; the message names the key and the fix."""
@@ -145,6 +149,7 @@ class NodeSettings:
     compilation_cache: Path | None = None
     test_fit_key: str | None = None
     test_client_index: int | None = None
+    public_size: int | None = None
 
     @classmethod
     def from_node_config(cls, config) -> "NodeSettings":
@@ -152,7 +157,7 @@ class NodeSettings:
         config = dict(config)
         known = {"client-id", "state-dir", "data-file", "data-arrays", "model", "epsilon", "delta", "neighbouring",
                  "accountant", "sampling", "allow-non-private", "state-key-file", "compilation-cache",
-                 "unsafe-test-fit-key", "unsafe-test-client-index", "partition-id", "num-partitions"}
+                 "unsafe-test-fit-key", "unsafe-test-client-index", "partition-id", "num-partitions", "public-size"}
         unknown = sorted(set(config) - known)
         if unknown:
             raise SettingsError(f"node config has unknown key(s) {unknown}; known keys: {sorted(known)}")
@@ -180,12 +185,33 @@ class NodeSettings:
             state_key_file=_optional_path(config.get("state-key-file")),
             compilation_cache=_optional_path(config.get("compilation-cache")),
             test_fit_key=test_key,
-            test_client_index=None if test_key is None else int(config.get("unsafe-test-client-index", -1)))
+            test_client_index=None if test_key is None else int(config.get("unsafe-test-client-index", -1)),
+            public_size=None if config.get("public-size") in (None, "", 0) else
+            _positive_int("public-size", config.get("public-size")))
         if settings.test_fit_key is not None and (settings.test_client_index or 0) < 0:
             raise SettingsError("unsafe-test-fit-key needs unsafe-test-client-index (the client's index in fit_dppvi)")
         if not settings.data_arrays:
             raise SettingsError("node config data-arrays is empty; name the arrays of data-file, e.g. \"x,y\"")
         return settings
+
+    def size_of(self, num_rows: int) -> int:
+        """The size this node's settings are derived from and that it tells the server: its declared
+        ``public-size`` (an upper bound the guarantee covers; :mod:`numpyro_dppvi.privacy.sizes`), else the
+        number of rows, which under add/remove discloses it (logged on the node)."""
+        if self.public_size is None:
+            if self.neighbouring == "add_remove" and self.epsilon is not None:
+                log.warning("client %s: no public-size in the node config, so the size it tells the server and "
+                            "derives its sampling rate from is its number of rows, which neighbouring='add_remove' "
+                            "treats as private: set public-size=<an upper bound> (docs/deploy.md)", self.client_id)
+            return int(num_rows)
+        if self.sampling == "without_replacement" and num_rows != self.public_size:
+            raise SettingsError(f"client {self.client_id}: sampling=\"without_replacement\" draws b of the node's rows at "
+                                "rate b / rows whatever public-size says (the sizes are public under substitute): "
+                                "remove public-size, or use sampling=\"poisson\"")
+        if num_rows > self.public_size:
+            raise SettingsError(f"client {self.client_id} holds more rows than its node config public-size="
+                                f"{self.public_size}; set public-size to an upper bound of what the node may hold")
+        return self.public_size
 
     @property
     def methods(self) -> tuple[str, ...]:

@@ -286,9 +286,11 @@ class Privacy:
         return np.array(self.epsilon_max, dtype=float)
 
     def ledger(self, num_clients: int, trusted_aggregator: bool = False, seed: str = "unspecified",
-               charges: float = 0.0) -> PrivacyLedger:
+               charges: float = 0.0, sizes: str | None = None) -> PrivacyLedger:
         """An empty ledger with this config's relation and accountant, at :meth:`accounting_delta` of the
         planned run's ``charges``; ``seed`` says where the noise seed came from (``"os_entropy"`` or
-        ``"user_key"``)."""
+        ``"user_key"``); ``sizes``: what the client sizes behind the settings were (default: ``"declared"`` with
+        :attr:`public_sizes`, else ``"observed"``)."""
+        sizes = sizes or ("declared" if self.public_sizes is not None else "observed")
         return PrivacyLedger(num_clients, self.accounting_delta(charges), self.neighbouring, self.accountant,
-                             trusted_aggregator, seed=seed)
+                             trusted_aggregator, seed=seed, sizes=sizes)

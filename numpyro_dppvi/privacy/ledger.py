@@ -36,6 +36,16 @@ _SEED_TEXT = {
                 "secret (anyone who knows it can recompute the noise)",
     "unspecified": "noise seed not recorded",
 }
+#: What the client sizes the settings were derived from were (:mod:`numpyro_dppvi.privacy.sizes`; reported).
+SIZE_KINDS = ("declared", "observed", "unused", "unspecified")
+_SIZE_TEXT = {
+    "declared": "declared public bounds; nothing published depends on a private size",
+    ("observed", "add_remove"): "observed: the published rates and charges disclose each client's size (the "
+                                "guarantee covers the records given the sizes); declare Privacy(public_sizes=...)",
+    ("observed", "substitute"): "observed; public by definition under substitute (neighbours have equal sizes)",
+    "unused": "not used by the mechanism",
+    "unspecified": "not recorded",
+}
 
 
 def extra_mass(events) -> float:
@@ -75,6 +85,7 @@ class PrivacyLedger:
         accountant: str = "pld",
         trusted_aggregator: bool = False,
         seed: str = "unspecified",
+        sizes: str = "unspecified",
     ):
         if isinstance(num_clients, bool) or not isinstance(num_clients, Integral):
             raise TypeError(f"num_clients must be an int, got {type(num_clients).__name__}.")
@@ -90,6 +101,9 @@ class PrivacyLedger:
         if seed not in SEED_KINDS:
             raise ValueError(f"seed={seed!r} is not known; use one of {SEED_KINDS}.")
         self._seed = seed
+        if sizes not in SIZE_KINDS:
+            raise ValueError(f"sizes={sizes!r} is not known; use one of {SIZE_KINDS}.")
+        self._sizes = sizes
         self._events: list[dict[tuple, GaussianEvent]] = [{} for _ in range(self._num_clients)]
         self._stopped: dict[int, dict] = {}
         self._epsilon_cache: dict[tuple, float] = {}
@@ -120,6 +134,13 @@ class PrivacyLedger:
     def seed(self) -> str:
         """Where the noise seed came from: ``"os_entropy"``, ``"user_key"`` or ``"unspecified"``."""
         return self._seed
+
+    @property
+    def sizes(self) -> str:
+        """What the client sizes behind the settings were: ``"declared"`` public bounds, the ``"observed"``
+        sizes (disclosed under add/remove), ``"unused"`` or ``"unspecified"`` (not part of equality: the
+        accounting does not depend on it)."""
+        return self._sizes
 
     # ------------------------------------------------------------------ recording
     def _check_client(self, client) -> int:
@@ -240,6 +261,7 @@ class PrivacyLedger:
             f"target delta={self._delta:.3g}",
             f"Guarantee: {guarantee}",
             f"Noise: {_SEED_TEXT[self._seed]}",
+            f"Client sizes: {_SIZE_TEXT.get((self._sizes, self._neighbouring), _SIZE_TEXT.get(self._sizes))}",
             f"{'client':>6} {'releases':>9} {'epsilon':>10} {'delta':>11}  events / status",
         ]
         for m in range(self._num_clients):
@@ -279,6 +301,7 @@ class PrivacyLedger:
             "accountant": self._accountant,
             "trusted_aggregator": self._trusted_aggregator,
             "seed": self._seed,
+            "sizes": self._sizes,
             "events": [[e.to_dict() for e in self.events(m)] for m in range(self._num_clients)],
             "stopped": [{"client": m, **info} for m, info in sorted(self._stopped.items())],
         }
@@ -289,7 +312,7 @@ class PrivacyLedger:
             raise ValueError(f"not a serialised PrivacyLedger (expected format {_FORMAT!r}).")
         ledger = cls(
             data["num_clients"], data["delta"], data["neighbouring"], data["accountant"],
-            data["trusted_aggregator"], seed=data.get("seed", "unspecified"),
+            data["trusted_aggregator"], seed=data.get("seed", "unspecified"), sizes=data.get("sizes", "unspecified"),
         )
         if len(data["events"]) != ledger.num_clients:
             raise ValueError("serialised ledger has a wrong number of event lists.")

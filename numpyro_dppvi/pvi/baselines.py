@@ -71,7 +71,8 @@ def fit_global_vi(model, clients, *, steps: int = 1000, steps_per_round: int = 1
     ledger = None
     if privacy is not None:  # every row was in every step's sampling: each client carries the pooled events
         pooled = pooled_result.privacy  # its delta is the pooled plan's (charges taken out of the requested one)
-        ledger = PrivacyLedger(len(clients), pooled.delta, privacy.neighbouring, privacy.accountant, seed=pooled.seed)
+        ledger = PrivacyLedger(len(clients), pooled.delta, privacy.neighbouring, privacy.accountant, seed=pooled.seed,
+                               sizes=pooled.sizes)
         for event in pooled_result.privacy.events(0):
             ledger.record_all(event)
     config = dict(pooled_result.config, steps=steps, steps_per_round=steps_per_round)

@@ -645,8 +645,9 @@ class DPPVI:
         state = program(self.data, self.mask, to_device(key_data, np.uint32), self.adapter.prior,
                         self.adapter.server_mask, extras)
         self.seed = seed
-        self.ledger = None if self.plan is None else self.privacy.ledger(m, self.trusted_aggregator, seed=seed,
-                                                                         charges=self.plan.charges(self.planned_rounds))
+        self.ledger = None if self.plan is None else self.privacy.ledger(
+            m, self.trusted_aggregator, seed=seed, charges=self.plan.charges(self.planned_rounds),
+            sizes="unused" if self.privacy_unit == "client" else None)
         return state
 
     def _round(self, state: PVIState, data, mask, sizes, limits):

@@ -262,13 +262,17 @@ class DPOptimisation(NonPrivate):
     """DP-SGD inside the local step (Heikkila et al. 2023, §4.1, Theorem 6; DESIGN §5.1).
 
     Each step draws a batch with the sampler the ledger accounts (Poisson: every valid row with
-    probability ``q_m``, the plan's rate ``batch_size / n_m`` rounded up; or exactly ``batch_size``
+    probability ``q_m``, the plan's rate ``batch_size / N_m`` rounded up (``N_m`` the client's public size:
+    a declared bound, else its number of rows; :mod:`numpyro_dppvi.privacy.sizes`); or exactly ``batch_size``
     rows without replacement), computes per-example gradients of the likelihood term
     ``g_i = d/d(mu, log s) E_q[log p(x_i | theta)]`` only, clips each jointly to norm ``C``, sums,
     and adds ``N(0, noise_std^2 I)`` with ``noise_std = sigma C``:
 
-        g_data = (sum_{i in B} clip_C(g_i) + N(0, sigma^2 C^2 I)) / (q_m n_m),
-        g = -(g_data + d/d(mu, log s) [E_q log cavity + H[q]] / n_m).
+        g_data = (sum_{i in B} clip_C(g_i) + N(0, sigma^2 C^2 I)) / (q_m N_m),
+        g = -(g_data + d/d(mu, log s) [E_q log cavity + H[q]] / N_m)
+
+    (the loss per public row: ``1 / q_m`` makes the batch sum an unbiased estimate of the sum over the
+    ``n_m <= N_m`` rows, whatever ``n_m`` is).
 
     A Poisson batch is never padded: :func:`~numpyro_dppvi.privacy.sampling.poisson_fold` walks it
     ``chunk`` rows at a time, so the work follows the batch actually drawn (no pad sized for its

@@ -18,8 +18,10 @@ releases it makes.
   at ``client_rate``, sensitivity of a sum of clipped client updates; every client is charged every
   round (it may be sampled).
 
-Sizes are public (docs/privacy.md, "Threat model"): the rates, pads and shard counts derived from them
-are settings of the mechanism, fixed when the plan is made.
+``sizes`` are the clients' public sizes (:mod:`numpyro_dppvi.privacy.sizes`: declared bounds, or the observed
+sizes, which add/remove treats as private and the fit warns about): the rates, charges and shard counts
+derived from them are settings of the mechanism, fixed when the plan is made. The overflow charge is
+computed at the size given (plus one row): a declared bound covers every data set within it.
 """
 
 from __future__ import annotations

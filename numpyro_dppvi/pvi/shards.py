@@ -18,9 +18,11 @@ So a record's shard here depends on that record alone:
   changes moved (2.86 C in a random search, up to 4 C) against 2 C charged (issue 24, finding 2).
   Under add/remove the position would not do (removing a row moves every later row), the bytes do.
 
-**Sensitivity of the released sum of clipped shard changes** (the number of shards ``N_m`` is a
-setting derived from the client's public size, like the sampling rate of DP-SGD: the guarantee
-compares neighbours under the same settings, docs/privacy.md "Threat model"):
+**Sensitivity of the released sum of clipped shard changes** (the number of shards ``N_m`` is derived
+from the client's public size, :mod:`numpyro_dppvi.privacy.sizes`: a declared bound makes it the same for
+``D`` and its neighbour under add/remove, empty shards adding nothing; under substitute the sizes are
+equal; with undeclared sizes under add/remove the count may differ between neighbours and discloses the
+size, which the fit warns about):
 
 * hashed shards, either relation: the other records keep their shards (their hashes do not
   change; under substitute no record changes position), so exactly one shard's rows change; its clipped change moves inside the ball of radius

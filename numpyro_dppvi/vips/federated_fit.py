@@ -68,7 +68,7 @@ def fit_federated_vips(model, clients, *, privacy=None, rounds: int = 1, schedul
             conjugate.prior_params())), tuple(conjugate.symmetric_blocks))
         plan = lambda z: [privacy.step_event(z, 1.0, int(rounds), dimension=dimension)]  # noqa: E731
         sigma = float(privacy.resolve(plan))
-        ledger = privacy.ledger(num_clients, trusted_aggregator, seed=seed, charges=plan_charges(plan))
+        ledger = privacy.ledger(num_clients, trusted_aggregator, seed=seed, charges=plan_charges(plan), sizes="unused")
         clip = privacy.clip
     share = sigma / np.sqrt(num_clients) if trusted_aggregator else sigma
     params = conjugate.prior_params()

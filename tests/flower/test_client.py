@@ -190,3 +190,27 @@ def test_a_non_finite_record_on_a_node_is_never_an_error_the_server_sees(clients
     assert not isinstance(reply, Message), reply.error.reason
     assert reply.status == "ok" and reply.diagnostics["update_finite"] == 1.0
     assert np.all(np.isfinite(reply.delta.eta1)) and np.all(np.isfinite(reply.delta.eta2))
+
+
+def test_a_node_tells_the_server_its_declared_size_not_its_rows(clients, tmp_path):
+    """Issue 24, finding 1 on Flower. Attacker: the server, which reads each node's identity (``num_rows``) and
+    its ledger events. With ``public-size`` in the node config the node sends the bound and derives its rate from
+    it, so a node holding one record more sends the same; without it the node sends its number of rows (the
+    ledger says the sizes were observed). A node holding more rows than its bound refuses, naming the key."""
+    n = len(clients[0][0])
+    grid = InProcessGrid(app, [node_config(tmp_path / "a", 0, clients[0], **{"public-size": n + 40}),
+                               node_config(tmp_path / "b", 0, clients[0])])
+    sizes = []
+    for node in (FIRST_NODE_ID, FIRST_NODE_ID + 1):
+        hello = Message(schema.encode_hello(schema.Hello("fit-a", MODEL)), dst_node_id=node,
+                        message_type=schema.HELLO, ttl=60)
+        (reply,) = grid.pull_messages(grid.push_messages([hello]))
+        sizes.append(schema.decode_identity(reply.content).num_rows)
+    assert sizes == [n + 40, n]
+    declared, observed = (send(grid, node, instruction()) for node in (FIRST_NODE_ID, FIRST_NODE_ID + 1))
+    rate = lambda r: r.ledger["events"][0][0]["rate"]
+    assert rate(declared) < rate(observed)  # b / (n + 40) against b / n, rounded up to 9 bits
+    assert declared.ledger["sizes"] == "declared" and observed.ledger["sizes"] == "observed"
+    node = NodeSettings.from_node_config(node_config(tmp_path / "c", 0, clients[0], **{"public-size": n - 1}))
+    with pytest.raises(SettingsError, match="public-size"):
+        node.size_of(n)

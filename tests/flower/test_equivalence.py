@@ -28,13 +28,18 @@ TOLERANCE = 1e-5
 def test_inprocess_grid_reproduces_fit_dppvi(method, schedule, clients, tmp_path, monkeypatch):
     monkeypatch.setenv(TEST_KEYS_ENV, "1")
     key = jax.random.key(7)
-    privacy = dppvi.Privacy(epsilon=2.0, delta=1e-5, clip=1.0) if method == "dp_optimisation" else None
+    # DP synchronous: each node declares a public bound on its size (node config public-size), as fit_dppvi's
+    # Privacy(public_sizes=...) does; DP sequential: the observed sizes (disclosed, as both sides say)
+    bounds = [len(c[0]) + 7 * m + 3 for m, c in enumerate(clients)] if schedule == "synchronous" else None
+    privacy = dppvi.Privacy(epsilon=2.0, delta=1e-5, clip=1.0, public_sizes=bounds) if method == "dp_optimisation" \
+        else None
     simulated = dppvi.fit_dppvi(logistic_regression, clients, method=method, schedule=schedule, rounds=2,
                                 local_steps=5, batch_size=16, optimizer=optax.adam(0.01), damping=0.5, rng_key=key,
                                 privacy=privacy)
     key_hex = np.asarray(jax.random.key_data(key), np.uint32).tobytes().hex()
-    nodes = [node_config(tmp_path, m, c, method, **{"unsafe-test-fit-key": key_hex, "unsafe-test-client-index": m})
-             for m, c in enumerate(clients)]
+    declared = lambda m: {"public-size": bounds[m]} if privacy is not None and bounds else {}
+    nodes = [node_config(tmp_path, m, c, method, **{"unsafe-test-fit-key": key_hex, "unsafe-test-client-index": m},
+                         **declared(m)) for m, c in enumerate(clients)]
     # fit_dppvi's default tail averaging of the local iterates: half of them for "pvi", none for DP optimisation
     deployed = run_inprocess(run_config(method, schedule, **{"tail-average": 0.5 if method == "pvi" else 0.0}), nodes)
 

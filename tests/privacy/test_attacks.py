@@ -612,10 +612,14 @@ def test_an_undeclared_size_under_add_remove_is_disclosed_and_says_so(tmp_path):
         with pytest.warns(dppvi.privacy.SizeDisclosureWarning, match="public_sizes"):
             result = dppvi.fit_dppvi(logistic, ds, rng_key=jax.random.key(3), **DP)
         found.append(size_of_client_0(published(result, tmp_path / "r.npz")[1]))
+        # the published ledger says so too: its report states what the sizes were
+        assert dppvi.load(tmp_path / "r.npz", logistic).privacy.sizes == "observed"
+        assert "disclose each client's size" in result.privacy.report()
     np.testing.assert_allclose(found, [len(clients[0][0]), len(clients[0][0]) + 1], atol=1e-3)
     declared = Privacy(noise_multiplier=1.0, clip=1.0, public_sizes=40)
     result = dppvi.fit_dppvi(logistic, bigger, rng_key=jax.random.key(3), **dict(DP, privacy=declared))
     assert size_of_client_0(published(result, tmp_path / "r.npz")[1]) == pytest.approx(40, abs=1e-3)
+    assert result.privacy.sizes == "declared" and "declared public bounds" in result.privacy.report()
 
 
 @pytest.mark.parametrize("case", list(SIZE_CASES))
