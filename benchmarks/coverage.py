@@ -3,7 +3,7 @@
 A private posterior is read as uncertainty: its central 50% and 90% intervals should contain the true
 parameter 50% and 90% of the time when the truth is drawn from the prior. This measures it.
 
-Data: a Bayesian logistic regression with ``d = 5`` covariates and an intercept (``numpyro_dppvi.models.
+Data: a Bayesian logistic regression with ``d = 5`` covariates and an intercept (``numpyro_dppvi.example_models.
 logistic_regression``), the truth drawn from its ``N(0, I)`` prior, ``x ~ N(0, I)``, split over 10
 clients (``dppvi.partition``); data set ``k`` uses seed ``1000 + k`` for the data and ``k`` for the
 fit's key. Cells: ``method x epsilon x n``,
@@ -55,7 +55,7 @@ from scipy import stats  # noqa: E402
 
 import numpyro_dppvi as dppvi  # noqa: E402
 from numpyro_dppvi.diagnostics import FIT_WARNINGS  # noqa: E402
-from numpyro_dppvi.models import logistic_regression  # noqa: E402
+from numpyro_dppvi.example_models import logistic_regression  # noqa: E402
 from numpyro_dppvi.vips.linear import BayesianLinearRegression, gaussian_moments  # noqa: E402
 
 COVARIATES = 5

@@ -137,7 +137,7 @@ def adult_laplace(x, y) -> tuple[np.ndarray, np.ndarray]:
 
 
 def adult(keys: int) -> dict:
-    from numpyro_dppvi.models import logistic_regression
+    from numpyro_dppvi.example_models import logistic_regression
 
     x, y, x_test, y_test = dppvi.datasets.load_adult(split="train_test")
     mean, sd = adult_laplace(x, y)

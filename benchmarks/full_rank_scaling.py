@@ -26,8 +26,8 @@ import jax  # noqa: E402
 import numpy as np  # noqa: E402
 from _common import time_interleaved, write  # noqa: E402
 
-from numpyro_dppvi.models import logistic_regression as logistic  # noqa: E402
-from numpyro_dppvi.pvi.fit import DPPVI  # noqa: E402
+from numpyro_dppvi.example_models import logistic_regression as logistic  # noqa: E402
+from numpyro_dppvi.pvi.driver import DPPVI  # noqa: E402
 
 
 def clients(dim: int, num_clients: int = 4, rows: int = 500, seed: int = 0):

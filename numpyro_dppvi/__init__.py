@@ -6,10 +6,10 @@ and vertical federated learning (``fit_vfl``).
 """
 
 from . import datasets, diagnostics, factors, optim, privacy, vfl, vips
-from .compilation_cache import enable_compilation_cache
+from .persistent_cache import enable_compilation_cache
 from .data import pad_clients, partition, partition_by, validate_clients
 from .fit import fit_dppvi
-from .model import ModelAdapter, model
+from .model_adapter import ModelAdapter, model
 from .privacy import NotPrivate, Privacy, PrivacyLedger
 from .pvi import DPPVI, FitDiverged, NoValidUpdates, PVIState, fit_bcm, fit_global_vi
 from .results import DPPVIResult, Result, load

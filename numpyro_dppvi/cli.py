@@ -38,8 +38,8 @@ PUBLIC_SIZES = {"balanced": [4000] * 10, "unbalanced": [1200] * 5 + [6700] * 5}
 
 
 def logistic_model():
-    """The demo's logistic regression (:func:`numpyro_dppvi.models.logistic_regression`), imported on use."""
-    from .models import logistic_regression
+    """The demo's logistic regression (:func:`numpyro_dppvi.example_models.logistic_regression`), imported on use."""
+    from .example_models import logistic_regression
 
     return logistic_regression
 
@@ -447,7 +447,7 @@ def build_parser(root: Path | None) -> argparse.ArgumentParser:
 def main(argv=None) -> int:
     args = build_parser(checkout_root()).parse_args(argv)
     if os.environ.get("NUMPYRO_DPPVI_NO_COMPILATION_CACHE", "").strip() in ("", "0"):
-        from .compilation_cache import enable_compilation_cache  # on by default for the command line
+        from .persistent_cache import enable_compilation_cache  # on by default for the command line
 
         try:
             enable_compilation_cache()

@@ -203,3 +203,57 @@ def noise_to_signal(noise_std: np.ndarray, dimension: int, terms: np.ndarray, cl
     client-level DP). Above :data:`NOISE_SWAMPS`, even perfectly aligned contributions are smaller
     than the noise."""
     return math.sqrt(dimension) * np.asarray(noise_std, np.float64) / (np.asarray(terms, np.float64) * clip)
+
+
+# ------------------------------------------------------------------ advice, in the options of the function called
+
+#: What to change when a round would make the posterior invalid, in the options of the function called.
+ADVICE = {
+    "fit_dppvi": "lower `damping`, the optimizer's learning rate or `local_steps`",
+    "DPPVI": "lower `damping`, the optimizer's learning rate or `local_steps`",
+    "fit_global_vi": "lower the optimizer's learning rate or `steps_per_round`",
+    "fit_bcm": "lower `local_steps` or the optimizer's learning rate",
+}
+#: Added to ``ADVICE`` for a low-rank fit: its truncation can make a cavity improper (pvi/low_rank.py).
+LOW_RANK_ADVICE = ("; with family='low_rank' a truncation to rank r can make a cavity improper: a higher `rank`, "
+                   "or family='full_rank' (up to a few hundred latents), keeps more of each factor")
+#: What to change when q is still drifting at the end of a fit.
+CONVERGENCE_ADVICE = {
+    "fit_dppvi": "Run more rounds (resume=checkpoint continues a fit){faster}",
+    "DPPVI": "Run more rounds{faster}",
+    "fit_global_vi": "Run more `steps` or raise the optimizer's learning rate",
+    "fit_bcm": "Raise `local_steps`",
+}
+#: Adam moves every coordinate by about its learning rate per step whatever the gradient: with many
+#: rows per client that is many posterior sd (Adult, 4000 rows per client: about 10 sd a round at 1e-2).
+_ADAM = "a smaller learning rate (Adam moves each coordinate by about the learning rate per step, many posterior sd when the data are large)"
+JITTER_ADVICE = {
+    "fit_dppvi": "Use {calmer}more `num_samples`, or " + _ADAM,
+    "DPPVI": "Use {calmer}more `num_samples`, or " + _ADAM,
+    "fit_global_vi": "Use more `num_samples`, or " + _ADAM,
+    "fit_bcm": "Raise `local_steps` or `num_samples`",
+}
+
+
+#: Drift advice for a non-private mean-field fit: on Adult, mean-field PVI still moved 0.1-0.3 sd a round
+#: along the one-hot/intercept ridge after 100 rounds; full-rank converged in 20 (benchmarks/fidelity.py).
+FULL_RANK_ADVICE = ("; mean-field q crosses correlated directions slowly, and family='full_rank' (for up to a few "
+                    "hundred latents) converges in fewer rounds with the marginal sds")
+
+
+#: Drift advice for a private fit: its noise is calibrated to the planned rounds, so resuming cannot add rounds.
+PRIVATE_DRIFT_ADVICE = ("Plan more rounds in a new fit (rounds=..., its noise calibrated to them; its budget adds to "
+                        "this one's on the same data; resuming cannot add rounds to a spent budget){faster}")
+
+
+def convergence_advice(caller: str, schedule: str | None, family: str = "mean_field",
+                       private: bool = False) -> tuple[str, str]:
+    """``(drift advice, jitter advice)`` of a ConvergenceWarning, in the options of ``caller``."""
+    sequential = schedule == "sequential"
+    faster = ", or more `local_steps`" if sequential else ", or use schedule='sequential' or a larger `damping` for faster rounds"
+    calmer = "" if sequential else "a smaller `damping` (synchronous rounds over M clients: about 1/M) or schedule='sequential', "
+    template = PRIVATE_DRIFT_ADVICE if private and caller in ("fit_dppvi", "DPPVI") else CONVERGENCE_ADVICE[caller]
+    drift = template.format(faster=faster)
+    if family == "mean_field" and not private and caller != "fit_bcm":
+        drift += FULL_RANK_ADVICE
+    return drift, JITTER_ADVICE[caller].format(calmer=calmer)

@@ -23,7 +23,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from .cache import to_device
+from .program_cache import to_device
 
 #: ``fold_in`` tags of the secrets derived from a fit's key (distinct from any round index).
 SHARD_HASH_TAG = 0x53484152  # "SHAR"

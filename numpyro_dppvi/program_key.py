@@ -4,7 +4,7 @@ A user's script builds its arguments afresh on every call: ``optimizer=optax.ada
 gives two ``GradientTransformation`` objects whose ``init``/``update`` are new closures over equal values;
 a model re-defined by the same ``def`` is a new function object with the same code. Keyed by identity,
 each such call traced and compiled the whole fit again. :func:`structural_key` gives two such objects one
-key, so that :func:`numpyro_dppvi.cache.cached` returns the program built for the first:
+key, so that :func:`numpyro_dppvi.program_cache.cached` returns the program built for the first:
 
 * numbers, strings, bytes, ``None``: their type and value;
 * tuples (named tuples such as optax's transformations included), lists, dicts: their type and the keys of

@@ -26,7 +26,7 @@ from numpyro.infer.util import log_likelihood
 from . import checkpoint, factors
 from .arviz_compat import from_groups
 from .evaluation import evaluate, log_predictive_density
-from .model import ModelAdapter
+from .model_adapter import ModelAdapter
 from .privacy.ledger import NotPrivate, PrivacyLedger
 
 RESULT_FORMAT = "numpyro_dppvi.DPPVIResult/2"

@@ -171,7 +171,7 @@ def test_noise_warning_names_settings_that_remove_it():
     rng = np.random.default_rng(0)
     x = rng.normal(size=(400, 10))
     y = (x @ rng.normal(size=10) + rng.normal(size=400) > 0).astype(float)
-    privacy = dppvi.Privacy(epsilon=1.0, clip=1.0)
+    privacy = dppvi.Privacy(epsilon=1.0, clip=1.0, public_sizes=400)
     driver = dppvi.DPPVI(logistic, method="dp_optimisation", privacy=privacy, batch_size=200, local_steps=50,
                          rounds=20)
     with pytest.warns(diagnostics.NoiseWarning, match=r"swamps the signal.*rounds=20 with local_steps=(\d+)") as rec:

@@ -9,7 +9,7 @@ import pytest
 
 import numpyro_dppvi as dppvi
 from numpyro_dppvi import objectives
-from numpyro_dppvi.model import ModelAdapter
+from numpyro_dppvi.model_adapter import ModelAdapter
 
 
 @dppvi.model

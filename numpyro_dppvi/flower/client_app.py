@@ -101,7 +101,7 @@ def train(message: Message, context: Context) -> Message:
 def node_settings(context: Context) -> NodeSettings:
     node = NodeSettings.from_node_config(context.node_config)
     if node.compilation_cache is not None:  # a fresh process per message: reuse compiled programs from disk
-        from ..compilation_cache import enable_compilation_cache
+        from ..persistent_cache import enable_compilation_cache
 
         enable_compilation_cache(node.compilation_cache)
     return node

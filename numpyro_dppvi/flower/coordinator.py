@@ -30,7 +30,7 @@ import numpy as np
 from .. import checkpoint, factors
 from ..factors import Gaussian, LowRank
 from ..pvi import low_rank
-from ..model import ModelAdapter
+from ..model_adapter import ModelAdapter
 from ..privacy import PrivacyLedger
 from ..results import DPPVIResult
 from .local_update import load_model

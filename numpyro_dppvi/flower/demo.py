@@ -43,7 +43,7 @@ def hospital(folder: Path, name: str, data, epsilon: float, cache: Path) -> dict
 
 def run_demo(rounds: int = 3, epsilon: float = 1.0, timeout: float = 600.0, keep: bool = False, out=print) -> int:
     from .. import datasets, load
-    from ..compilation_cache import default_cache_dir
+    from ..persistent_cache import default_cache_dir
     from ..data import partition
     from . import client_store
     from .federation import LocalFederation

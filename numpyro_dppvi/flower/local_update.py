@@ -1,6 +1,6 @@
 """One client's local update, built from the pieces ``fit_dppvi`` uses (nothing new is accounted).
 
-* the model adapter (:func:`numpyro_dppvi.pvi.fit.model_adapter`, traced on the client's own rows);
+* the model adapter (:func:`numpyro_dppvi.pvi.plan.model_adapter`, traced on the client's own rows);
 * the privacy plan (:func:`numpyro_dppvi.pvi.privacy_plan.dp_sgd_plan` for this client alone: DP
   optimisation calibrates each client to its own sampling rate ``q_m = b / n_m``, so a client that
   knows only its own size calibrates exactly as ``fit_dppvi`` calibrates it among all clients);
@@ -29,14 +29,14 @@ import numpy as np
 import optax
 
 from .. import checkpoint, factors
-from ..cache import cached
+from ..program_cache import cached
 from ..data import validate_clients
 from ..factors import Gaussian
-from ..model import ModelAdapter
+from ..model_adapter import ModelAdapter
 from ..privacy import Privacy
 from ..privacy.ledger import extra_mass
 from ..privacy.noise import float32_at_least
-from ..pvi.fit import model_adapter
+from ..pvi.plan import model_adapter
 from ..optim import Newton, cvi
 from ..pvi import low_rank
 from ..pvi.full_rank import NonPrivateFullRank

@@ -22,7 +22,7 @@ from typing import Callable
 
 from flwr.app import Message
 
-from ..pvi.fit import FitDiverged
+from ..pvi.driver import FitDiverged
 from .coordinator import ClientRecord, ClientRejected, Coordinator, RoundLog
 from .exchange import Exchange, error_reason
 from .schema import HELLO, TRAIN, Hello, SchemaError, decode_identity, decode_reply, encode_hello, encode_instruction

@@ -84,7 +84,7 @@ class LocalSettings:
                                 f"{self.learning_rate}")
 
     def check_method(self, method: str) -> None:
-        """The settings' optimiser and family fit ``method`` (as :class:`~numpyro_dppvi.pvi.fit.DPPVI` requires):
+        """The settings' optimiser and family fit ``method`` (as :class:`~numpyro_dppvi.pvi.driver.DPPVI` requires):
         non-private full-rank PVI takes Newton steps, DP optimisation an optax optimiser, mean-field never Newton."""
         if method == "dp_optimisation" and self.optimizer == "newton":
             raise SettingsError("method='dp_optimisation' takes optimizer 'adam', 'sgd' or 'cvi' (Newton steps need "

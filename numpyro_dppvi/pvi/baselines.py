@@ -37,7 +37,7 @@ from ..evaluation import evaluate
 from ..privacy.ledger import PrivacyLedger
 from ..results import DPPVIResult
 from . import low_rank
-from .fit import DPPVI
+from .driver import DPPVI
 
 
 def fit_global_vi(model, clients, *, steps: int = 1000, steps_per_round: int = 100, batch_size: int | None = 100,
@@ -46,7 +46,7 @@ def fit_global_vi(model, clients, *, steps: int = 1000, steps_per_round: int = 1
                   rank: int | None = None) -> DPPVIResult:
     """VI (``privacy=None``) or DP-SGD VI on the pooled data of ``clients``; history every ``steps_per_round`` steps.
 
-    ``family``: ``"mean_field"`` or ``"full_rank"`` (private or not; see :class:`~numpyro_dppvi.pvi.fit.DPPVI`), or
+    ``family``: ``"mean_field"`` or ``"full_rank"`` (private or not; see :class:`~numpyro_dppvi.pvi.driver.DPPVI`), or
     ``"low_rank"`` with ``rank`` (private or not).
 
     ``rng_key=None`` draws the key from the operating system (see :func:`~numpyro_dppvi.fit_dppvi`).

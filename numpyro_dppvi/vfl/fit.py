@@ -11,7 +11,7 @@ import numpy as np
 import optax
 
 from ..keys import resolve as resolve_key
-from ..cache import cached, shapes
+from ..program_cache import cached, shapes
 from .client import VFLClient, check_clients
 from .guides import GUIDE_ALIASES, GUIDES, DiagonalGaussian
 from .models import _check_rho

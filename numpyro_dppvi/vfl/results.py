@@ -15,7 +15,7 @@ from numpyro.infer import Predictive
 
 from .. import checkpoint
 from ..arviz_compat import from_groups
-from ..cache import cached, shapes
+from ..program_cache import cached, shapes
 from ..privacy.ledger import NotPrivate
 from ..results import Result, load, resolve_key
 from .client import check_clients

@@ -28,7 +28,7 @@ from numpyro.infer import MCMC, NUTS, SVI, Trace_ELBO
 from numpyro.infer.autoguide import AutoLowRankMultivariateNormal, AutoMultivariateNormal, AutoNormal
 
 import numpyro_dppvi as dppvi
-from numpyro_dppvi.model import ModelAdapter
+from numpyro_dppvi.model_adapter import ModelAdapter
 
 NUM_CLIENTS = 4
 

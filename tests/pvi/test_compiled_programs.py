@@ -3,7 +3,7 @@
 JAX reports every compilation through ``jax.monitoring`` (``/jax/core/compile/...`` events); a
 second ``fit_dppvi`` of the same model, settings and data shapes (and a resume, or another
 ``init``) must trigger none: the model is traced once per model and row shapes, and each round
-program is built once per structure (``numpyro_dppvi.cache``).
+program is built once per structure (``numpyro_dppvi.program_cache``).
 """
 
 import json
@@ -20,7 +20,7 @@ import pytest
 from jax import monitoring
 
 import numpyro_dppvi as dppvi
-from numpyro_dppvi import cache
+from numpyro_dppvi import program_cache as cache
 from numpyro_dppvi.privacy import Privacy
 
 from .conftest import logistic
@@ -60,7 +60,7 @@ import json, logging, re, sys
 import jax
 import numpy as np
 import numpyro_dppvi as dppvi
-from numpyro_dppvi.models import logistic_regression
+from numpyro_dppvi.example_models import logistic_regression
 from numpyro_dppvi.privacy import Privacy, backends
 
 dppvi.enable_compilation_cache(sys.argv[1])
@@ -104,7 +104,7 @@ def test_the_first_fit_of_a_new_process_compiles_only_its_own_programs_and_reads
     empty = first_fit_in_a_new_process(tmp_path / "cache")
     warm = first_fit_in_a_new_process(tmp_path / "cache")
     for run in (empty, warm):
-        assert sorted(run["programs"]) == ["_initial_state", "_round", "model_traces"]
+        assert sorted(run["programs"]) == ["initial_state", "model_traces", "round_step"]
     assert empty["accountant_runs"] >= 1 and warm["accountant_runs"] == 0
     assert warm["epsilon"] == empty["epsilon"]
 

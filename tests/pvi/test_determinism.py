@@ -22,7 +22,7 @@ import optax
 import pytest
 
 import numpyro_dppvi as dppvi
-from numpyro_dppvi import cache
+from numpyro_dppvi import program_cache as cache
 from numpyro_dppvi.privacy import Privacy, gaussian_noise_like
 from numpyro_dppvi.privacy import noise as noise_module
 

@@ -9,7 +9,7 @@ import pytest
 import numpyro_dppvi as dppvi
 from numpyro_dppvi.privacy import Privacy
 from numpyro_dppvi.privacy.mechanisms import tree_norm
-from numpyro_dppvi.pvi.fit import convergence_advice
+from numpyro_dppvi.diagnostics import convergence_advice
 
 from .conftest import logistic
 
@@ -207,7 +207,7 @@ def test_long_private_fits_at_the_defaults_do_not_diverge():
     rounds. At the former default damping 1, 10 of 10 such fits raised FitDiverged (rounds 18-37); at the
     default 0.5 none of 10 (and none of 30 at 10 clients of 1000 rows, where damping 1 lost 27). Five data
     sets here: with damping 1 each diverged, so the test fails unless the default holds them."""
-    from numpyro_dppvi.models import logistic_regression
+    from numpyro_dppvi.example_models import logistic_regression
 
     for seed in range(5):
         rng = np.random.default_rng(seed)

@@ -160,7 +160,7 @@ def test_a_low_rank_committee_combines_the_clients_directions(prior):
 def test_q_stays_the_product_of_its_factors(schedule):
     """After every round every Gaussian of the state shares q's basis, and q = prior * t_0 * prod_m t_m * t_noise
     (dense natural parameters, to float32 rounding): the widening and the truncation are applied to all alike."""
-    from numpyro_dppvi.pvi.fit import DPPVI
+    from numpyro_dppvi.pvi.driver import DPPVI
 
     clients = split(correlated_data(), num_clients=4)
     driver = DPPVI(linear, family="low_rank", rank=2, schedule=schedule, rounds=4)

@@ -37,7 +37,7 @@ import optax
 import pytest
 
 import numpyro_dppvi as dppvi
-from numpyro_dppvi.model import ModelAdapter
+from numpyro_dppvi.model_adapter import ModelAdapter
 
 from .numpyro_models import (MODELS, autonormal_loc, flat_loc, gap, linear_exact, logistic, logistic_data,
                              nuts_moments, poisson, poisson_data, split)
@@ -304,7 +304,7 @@ def test_the_compiled_model_trace_gives_the_eager_traces_adapter(name, monkeypat
     """With a persistent compilation cache ``ModelAdapter`` traces the model in one compiled program
     (``compiled_traces``) instead of running it eagerly (dozens of small programs). The adapter must
     be the same, bit for bit: layout, prior, server mask, transforms and per-example log-likelihood."""
-    model_module = importlib.import_module("numpyro_dppvi.model")  # the module, not dppvi.model
+    model_module = importlib.import_module("numpyro_dppvi.model_adapter")  # the module, not dppvi.model
     model, make_data = TRACED[name]
     data = make_data()
     rows = tuple(np.asarray(a)[:3] for a in data)
@@ -334,7 +334,7 @@ def test_the_compiled_model_trace_gives_the_eager_traces_adapter(name, monkeypat
 def test_a_model_the_compiler_cannot_trace_is_traced_eagerly(monkeypatch):
     """Python control flow on data values cannot be compiled; the adapter then runs the model eagerly
     (the same adapter as before the compiled trace existed)."""
-    monkeypatch.setattr(importlib.import_module("numpyro_dppvi.model"), "programs_persist", lambda: True)
+    monkeypatch.setattr(importlib.import_module("numpyro_dppvi.model_adapter"), "programs_persist", lambda: True)
 
     @dppvi.model
     def checks_its_data(x, y=None):
@@ -348,7 +348,7 @@ def test_a_model_the_compiler_cannot_trace_is_traced_eagerly(monkeypatch):
 
 
 def test_a_fit_with_array_bounds_made_inside_the_model_runs(monkeypatch):
-    monkeypatch.setattr(importlib.import_module("numpyro_dppvi.model"), "programs_persist", lambda: True)
+    monkeypatch.setattr(importlib.import_module("numpyro_dppvi.model_adapter"), "programs_persist", lambda: True)
     result = dppvi.fit_dppvi(bounded, split(logistic_data()), rounds=2, local_steps=5, num_samples=2)
     w = np.asarray(result.sample(200, jax.random.key(0))["w"])
     assert np.all((w > 0) & (w < 3))

@@ -9,7 +9,7 @@ from __future__ import annotations
 import numpyro
 import numpyro.distributions as dist
 
-from .model import model
+from .model_adapter import model
 
 
 @model

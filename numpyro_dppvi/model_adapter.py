@@ -26,7 +26,7 @@ import numpyro.distributions as dist
 from numpyro import handlers
 from numpyro.distributions.transforms import biject_to
 
-from .cache import to_device
+from .program_cache import to_device
 from .factors import Gaussian
 
 _MARK = "_dppvi_privacy_plate"

@@ -7,7 +7,7 @@ import pytest
 from jax.scipy.stats import norm
 
 import numpyro_dppvi as dppvi
-from numpyro_dppvi.model import ModelAdapter
+from numpyro_dppvi.model_adapter import ModelAdapter
 
 
 @dppvi.model

@@ -1,0 +1,78 @@
+"""The methods of (DP-)PVI, their defaults, and the names a fit's options accept.
+
+:data:`METHOD_DEFAULTS` holds the settings each method runs with when they are left out (measured on the
+papers' problems and the models of ``benchmarks/fidelity.py``; the reasons are beside each value).
+"""
+
+from __future__ import annotations
+
+import difflib
+
+import optax
+
+from .. import diagnostics
+from ..optim import cvi, natural_gradient
+
+METHODS = ("pvi", "dp_optimisation", "local_averaging", "virtual_clients", "parameter_perturbation")
+UPDATE_METHODS = ("local_averaging", "virtual_clients", "parameter_perturbation")
+PRIVACY_UNITS = ("example", "client")
+CHECKPOINT_FORMAT = "numpyro_dppvi.DPPVICheckpoint/1"
+#: The optimiser of private local steps when none is given: one object, so that fits with the default
+#: share compiled programs.
+DEFAULT_OPTIMIZER = optax.adam(1e-2)
+#: The local optimiser of non-private PVI (and of non-private global VI and BCM): conjugate-computation
+#: steps for the precisions, Adam in posterior-sd units for the means (:func:`~numpyro_dppvi.optim.cvi`).
+LOCAL_OPTIMIZER = cvi()
+#: Non-private rounds when ``rounds`` is None: until ``q`` has converged (``diagnostics.convergence``,
+#: checked from :data:`MIN_ROUNDS` on), at most :data:`MAX_ROUNDS`.
+MIN_ROUNDS, MAX_ROUNDS = 2 * diagnostics.WINDOW, 100
+#: Per-method defaults (the settings that work on the papers' problems and on the models of
+#: ``benchmarks/fidelity.py``).
+#: Non-private PVI (issue 21, measured against NUTS on 13 models and on Adult): the sequential schedule;
+#: 20 local steps of :data:`LOCAL_OPTIMIZER` on antithetic draws, the client's answer the mean of the
+#: last half of its iterates; rounds until converged. Measured: within max(0.5, AutoNormal + 0.25) NUTS
+#: sd of NUTS on every model; the former defaults (10 steps of ``adam(1e-2)``, last iterate, 20 rounds)
+#: left conjugate models 0.3-0.6 sd from the exact optimum and Adult's unbalanced split moving 5-13 sd a
+#: round. Mean-field PVI on strongly correlated posteriors needs many rounds (NumPyro's zero-inflated
+#: Poisson example: 40-65), which a fixed number of rounds cannot promise.
+#: Virtual clients, one record each: natural-gradient local steps (Adam turns a sum of thousands of
+#: one-record changes into a sum of signs), damping 0.1 and a precision floor of 1, the precision of a
+#: standard-normal prior (noisy one-record changes often make a precision non-positive; flooring keeps
+#: the update, rejecting would waste the round). On Adult at epsilon 1 these reach 0.844 accuracy
+#: (rounds 5 or 10; docs/guide.md §3). DP optimisation: the sequential schedule. The update-perturbation
+#: methods keep synchronous rounds (their defaults were tuned there; a trusted aggregator and
+#: client-level DP need them).
+METHOD_DEFAULTS = {
+    "pvi": dict(schedule="sequential", rounds=None, optimizer=LOCAL_OPTIMIZER, local_steps=20, tail_average=0.5),
+    # damping 0.5 (issue 23): at 1, 10 of 10 fits of a 5-covariate logistic regression (10 clients of 200 rows,
+    # epsilon 1) raised FitDiverged within 40 rounds, and 27 of 30 at 10 clients of 1000; at 0.5 none, and the
+    # posterior mean's RMSE at 10 rounds fell from 0.33 to 0.23 (n = 2000) and 0.41 to 0.34 (n = 10000)
+    "dp_optimisation": dict(schedule="sequential", damping=0.5),
+    "virtual_clients": dict(optimizer=natural_gradient(0.5), damping=0.1, invalid="floor", precision_floor=1.0),
+    "local_averaging": dict(invalid="floor", precision_floor=1.0),
+}
+DEFAULT_LOCAL_STEPS = 10
+#: Share of all client updates that may fail (non-finite, dropped) before a fit warns even when none
+#: failed in its last rounds.
+FAILED_UPDATES_TOLERATED = 0.05
+DEFAULT_ROUNDS = 10
+
+
+def did_you_mean(name, choices) -> str:
+    """``" (did you mean 'x'?)"`` for the closest of ``choices`` to a misspelt ``name`` (``dp_optimization``,
+    ``synchronus``), else ``""``."""
+    close = difflib.get_close_matches(str(name), choices, n=1, cutoff=0.75)
+    return f" (did you mean {close[0]!r}?)" if close else ""
+
+
+def default_schedule(method: str, trusted_aggregator: bool = False, privacy_unit: str = "example") -> str:
+    """The schedule used when none is given: synchronous where the mechanism needs it (a trusted
+    aggregator, client-level DP), else the method's default (:data:`METHOD_DEFAULTS`)."""
+    if trusted_aggregator or privacy_unit == "client":
+        return "synchronous"
+    return METHOD_DEFAULTS.get(method, {}).get("schedule", "synchronous")
+
+
+def shards_of_batch(batch_size: int, n: int) -> int:
+    """``ceil(n_m / batch_size)`` shards (the DP-PVI paper's ``K = ceil(1 / q)``)."""
+    return max(-(-n // batch_size), 1)

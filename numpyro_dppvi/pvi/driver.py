@@ -1,0 +1,614 @@
+"""``DPPVI``: the SVI-style driver of (DP-)PVI (``init``, ``round``, ``run`` over a ``PVIState``).
+
+Wires the model adapter, a local update rule, the server schedule and (for private methods) the
+privacy plan and ledger. ``init`` returns a :class:`PVIState` pytree and ``round`` advances it by
+one jitted round. The state is **private** (it holds the fit's secret key and every client's private
+state): ``run`` returns a :class:`~numpyro_dppvi.results.DPPVIResult` holding only what may be
+published, and writes the state only to a private checkpoint (``checkpoint=path``), from which
+``fit_dppvi(resume=path)`` continues with its ledger intact.
+"""
+
+from __future__ import annotations
+
+import collections
+import dataclasses
+import functools
+import time
+import warnings
+from typing import Callable, Sequence
+
+import jax
+import numpy as np
+import optax
+from tqdm.auto import tqdm
+
+from .. import diagnostics, factors, keys
+from ..data import pad_clients, validate_clients
+from ..diagnostics import ADVICE, LOW_RANK_ADVICE, convergence_advice
+from ..evaluation import evaluate
+from ..factors import Gaussian
+from ..model_adapter import ModelAdapter
+from ..optim import Newton
+from ..privacy import Privacy
+from ..privacy.noise import float32_at_least
+from ..privacy.sizes import public_client_sizes
+from ..program_cache import cached, to_device
+from ..results import DPPVIResult
+from . import plan as plan_module
+from . import resume as resume_module
+from .defaults import (DEFAULT_LOCAL_STEPS, DEFAULT_OPTIMIZER, FAILED_UPDATES_TOLERATED, METHOD_DEFAULTS, METHODS,
+                       MIN_ROUNDS, PRIVACY_UNITS, UPDATE_METHODS, default_schedule, did_you_mean, shards_of_batch)
+from .plan import RoundSpec, model_adapter, round_program
+from .privacy_plan import check_subsampled
+from .server import SCHEDULES, PVIState
+from .shards import ROWS, make_shards, shard_counts
+from .update_perturbation import INVALID_RULES
+
+
+class NoValidUpdates(FloatingPointError):
+    """No client produced a valid update in the whole fit: ``q`` is still the prior (``result``)."""
+
+    def __init__(self, message: str, result: DPPVIResult):
+        super().__init__(message)
+        self.result = result
+
+
+class FitDiverged(FloatingPointError):
+    """A round would have made the posterior invalid; ``result`` holds the last valid (public) result."""
+
+    def __init__(self, message: str, result: DPPVIResult):
+        super().__init__(message)
+        self.result = result
+
+
+class DPPVI:
+    """Partitioned variational inference driver, in the manner of ``numpyro.infer.SVI``.
+
+    Args:
+        model: a NumPyro model taking the data arrays positionally (``@dppvi.model`` optional).
+        method: ``"pvi"`` (non-private local steps), ``"dp_optimisation"`` (DP-SGD in the local step),
+            ``"local_averaging"``, ``"virtual_clients"`` or ``"parameter_perturbation"`` (privacy by
+            perturbing model updates; without ``privacy`` they run without clipping or noise).
+        schedule: ``"sequential" | "synchronous" | "asynchronous"``; default sequential for ``"pvi"`` and
+            ``"dp_optimisation"``, synchronous for the update-perturbation methods, a trusted aggregator
+            and client-level DP (:data:`METHOD_DEFAULTS`).
+        optimizer: an optax ``GradientTransformation`` for the local steps (default: ``optim.cvi()`` for
+            ``"pvi"``, ``natural_gradient(0.5)`` for virtual clients, ``adam(1e-2)`` otherwise).
+        local_steps: optimiser steps per client (per shard for update perturbation) per round (default
+            20 for ``"pvi"``, 10 otherwise).
+        batch_size: rows per local step (``None``: the client's whole data; DP optimisation: the
+            expected Poisson batch, or the fixed batch without replacement).
+        num_samples: Monte Carlo draws of ``q`` per step, shared across the batch.
+        damping: ``rho`` in ``t_m <- t_m + rho (q_new - q)``.
+        server_steps: steps of the server's prior-factor refinement per round (non-Gaussian priors).
+        privacy: a :class:`~numpyro_dppvi.privacy.Privacy`.
+        rounds: the planned number of rounds; needed to calibrate the noise to a budget.
+        shards: local partitions per client for update perturbation: ``"rows"`` (one record per
+            shard; the default of ``virtual_clients``), an int, or ``f(n_m) -> int`` (records are
+            assigned by a keyed hash of their own values, see :mod:`numpyro_dppvi.pvi.shards`).
+        invalid: rule for noisy updates with a non-positive precision: ``"reject"`` or ``"floor"``.
+        precision_floor: the precision floor of ``invalid="floor"``.
+        trusted_aggregator: synchronous update perturbation where each participating client adds a
+            share of the noise and only the sum is revealed (DESIGN §5.3).
+        privacy_unit: ``"example"`` (default) or ``"client"`` (client-level DP, synchronous,
+            ``method="pvi"`` local steps; clients sampled with probability ``client_rate``).
+        tail_average: the share of the last local iterates whose mean is the client's answer (default
+            0.5 for ``"pvi"``, 0 otherwise; :func:`~numpyro_dppvi.pvi.local.optimise`).
+        family: the Gaussian family of ``q`` and of every factor: ``"mean_field"`` (default: independent
+            coordinates, ``O(D)`` per factor) or ``"full_rank"`` (a full precision matrix, ``O(D^2)``
+            memory per client and ``O(D^3)`` per step; local steps by :class:`~numpyro_dppvi.optim.Newton`,
+            :mod:`~numpyro_dppvi.pvi.full_rank`). Mean-field under-states the sds of correlated posteriors
+            (docs/guide.md, "Choosing the family"). ``"full_rank"`` is available without privacy
+            (``method="pvi"``, :func:`fit_global_vi`, :func:`fit_bcm`) and with every private method: update
+            perturbation (with or without a trusted aggregator) and client-level DP release a clipped change
+            of the whole precision matrix with symmetric noise
+            (:func:`~numpyro_dppvi.pvi.update_perturbation.release_change`); DP optimisation moves the mean
+            and the Cholesky factor of the covariance with an optax optimizer
+            (:func:`~numpyro_dppvi.factors.to_params`). A private release has ``D (D + 3) / 2`` noise
+            coordinates (mean-field ``2 D``).
+        ``"low_rank"`` with ``rank=r`` (default ``round(sqrt(D))``): a diagonal plus rank-``r`` precision in one
+            public basis shared by ``q`` and every factor (:mod:`~numpyro_dppvi.pvi.low_rank`); ``method="pvi"`` (Newton
+            steps), ``"dp_optimisation"`` (parameters ``(loc, log s, W)``, ``2 D + D r``
+            noise coordinates), parameter perturbation and local averaging (with or without a trusted aggregator) and
+            client-level DP (releases in the public basis, ``2 D + r (r + 1) / 2 + (D - r) r`` noise coordinates),
+            :func:`fit_global_vi`, :func:`fit_bcm` and the Flower deployment; not virtual clients. ``r = D`` is the
+            full-rank fit.
+    """
+
+    def __init__(self, model, method: str = "pvi", schedule: str | None = None,
+                 optimizer: optax.GradientTransformation | None = None, local_steps: int | None = None,
+                 batch_size: int | None = None, num_samples: int = 10, damping: float | None = None,
+                 server_steps: int = 50, privacy=None, rounds: int | None = None, shards=None,
+                 invalid: str | None = None, precision_floor: float | None = None, trusted_aggregator: bool = False,
+                 privacy_unit: str = "example", client_rate: float = 1.0, tail_average: float | None = None,
+                 family: str = "mean_field", rank: int | None = None):
+        if method not in METHODS:
+            raise ValueError(f"unknown method {method!r}{did_you_mean(method, METHODS)}; choose one of {METHODS}")
+        factors.check_family(family, "DPPVI")
+        if rank is not None and family != "low_rank":
+            raise ValueError(f"rank= sets the rank of family='low_rank'; family={family!r} has none")
+        if rank is not None and (int(rank) != rank or rank < 1 or isinstance(rank, bool)):
+            raise ValueError(f"rank must be a positive integer, got {rank!r}")
+        if method == "dp_optimisation" and isinstance(optimizer, Newton):
+            raise ValueError("method='dp_optimisation' takes an optax optimizer on the privatised gradients "
+                             "(optim.Newton needs the Hessians of the data, which DP-SGD does not release); with "
+                             "family='full_rank' it moves the mean and the Cholesky factor of the covariance")
+        if family == "low_rank" and method == "virtual_clients":
+            raise ValueError("family='low_rank' is not available with virtual clients: a virtual factor written in "
+                             "the shared rank-r basis loses its own directions, and its cavity double-counts them; "
+                             "kept in a basis of its own, the part of its change outside the shared basis is released "
+                             "again every round (measured at negligible noise on a 0.95-correlated regression, rank 1: "
+                             "sds 2-4x and 1.3-2x the exact ones, means 4-140 sd off); take family='full_rank' or "
+                             "'mean_field', or method='local_averaging'")
+        if family in ("full_rank", "low_rank") and method != "dp_optimisation" and optimizer is not None and not isinstance(optimizer, Newton):
+            raise ValueError(f"family={family!r} takes Newton steps with exact expected Hessians: pass "
+                             "optimizer=optim.Newton(precision_step=...) or leave optimizer out (optax "
+                             "transformations act on the (loc, log_scale) of a mean-field q)")
+        if family == "mean_field" and isinstance(optimizer, Newton):
+            raise ValueError("optim.Newton is the local step of family='full_rank'; pass family='full_rank' or an "
+                             "optax optimizer")
+        defaults = METHOD_DEFAULTS.get(method, {})
+        schedule = default_schedule(method, trusted_aggregator, privacy_unit) if schedule is None else schedule
+        if family in ("full_rank", "low_rank") and optimizer is None and method != "dp_optimisation":
+            optimizer = Newton()
+        optimizer = defaults.get("optimizer", DEFAULT_OPTIMIZER) if optimizer is None else optimizer
+        local_steps = defaults.get("local_steps", DEFAULT_LOCAL_STEPS) if local_steps is None else local_steps
+        damping = defaults.get("damping", 1.0) if damping is None else damping
+        invalid = defaults.get("invalid", "reject") if invalid is None else invalid
+        precision_floor = defaults.get("precision_floor", 1e-3) if precision_floor is None else precision_floor
+        tail_average = defaults.get("tail_average", 0.0) if tail_average is None else tail_average
+        if schedule not in SCHEDULES:
+            raise ValueError(f"unknown schedule {schedule!r}{did_you_mean(schedule, SCHEDULES)}; choose one of {SCHEDULES}")
+        if privacy_unit not in PRIVACY_UNITS:
+            raise ValueError(f"unknown privacy_unit {privacy_unit!r}; choose one of {PRIVACY_UNITS}")
+        if invalid not in INVALID_RULES:
+            raise ValueError(f"unknown invalid-update rule {invalid!r}; choose one of {INVALID_RULES}")
+        if privacy is not None and not isinstance(privacy, Privacy):
+            raise TypeError("privacy must be dppvi.Privacy(...) or None")
+        if method == "dp_optimisation":
+            if privacy is None:
+                raise TypeError(f"method={method!r} needs privacy=dppvi.Privacy(...) (a budget or a noise multiplier)")
+            if batch_size is None:
+                raise ValueError(f"method={method!r} needs a batch_size (the expected batch of each DP-SGD step)")
+            if trusted_aggregator:
+                raise ValueError("a trusted aggregator does not help DP optimisation (each step's noise is local); "
+                                 "use an update-perturbation method or trusted_aggregator=False")
+        if privacy is not None and privacy.adaptive_clip is not None and method != "dp_optimisation":
+            raise ValueError("adaptive clipping applies to per-example gradient clipping: use "
+                             "method='dp_optimisation' or a fixed clip")
+        if method == "pvi" and privacy is not None and privacy_unit != "client":
+            raise ValueError("method='pvi' is not private at the example level; use method='dp_optimisation' or an "
+                             "update-perturbation method, or privacy_unit='client' for client-level DP")
+        if privacy_unit == "client":
+            if method != "pvi" or privacy is None or schedule != "synchronous":
+                raise ValueError("client-level DP needs method='pvi', schedule='synchronous' and privacy=Privacy(...)")
+        if trusted_aggregator and (method not in UPDATE_METHODS or schedule != "synchronous" or privacy is None):
+            raise ValueError("trusted_aggregator=True needs a private update-perturbation method "
+                             f"{UPDATE_METHODS} with schedule='synchronous'")
+        if method == "virtual_clients" and shards is None:
+            shards = ROWS
+        if method == "local_averaging" and shards is None:
+            if batch_size is None:
+                raise ValueError("method='local_averaging' needs shards= (\"rows\", an int, or a function of the "
+                                 "client size) or a batch_size (then each client has ceil(n_m / batch_size) shards)")
+            shards = functools.partial(shards_of_batch, int(batch_size))
+        if method == "parameter_perturbation":
+            if shards not in (None, 1):
+                raise ValueError("parameter perturbation uses one shard; use local_averaging for more")
+            shards = 1
+        if shards is not None and not (shards == ROWS or callable(shards)
+                                       or (isinstance(shards, (int, np.integer)) and not isinstance(shards, bool)
+                                           and shards >= 1)):
+            raise ValueError(f"shards must be 'rows', a positive int or a function n_m -> int, got {shards!r}")
+        if rounds is not None and (int(rounds) != rounds or rounds < 1):
+            raise ValueError(f"rounds must be a positive integer, got {rounds!r}")
+        if not (0.0 < float(damping) <= 1.0):
+            raise ValueError(f"damping must be in (0, 1], got {damping}")
+        for name, value in (("local_steps", local_steps), ("num_samples", num_samples), ("server_steps", server_steps)):
+            if int(value) != value or value < 1:
+                raise ValueError(f"{name} must be a positive integer, got {value!r}")
+        if not 0.0 <= float(tail_average) < 1.0:
+            raise ValueError(f"tail_average must be in [0, 1) (the share of the last local iterates averaged), "
+                             f"got {tail_average}")
+        if batch_size is not None and (int(batch_size) != batch_size or batch_size < 1):
+            raise ValueError(f"batch_size must be a positive integer or None, got {batch_size!r}")
+        self.model = model
+        self.method = method
+        self.schedule = schedule
+        self.optimizer = optimizer
+        self.local_steps = int(local_steps)
+        self.batch_size = None if batch_size is None else int(batch_size)
+        self.num_samples = int(num_samples)
+        self.damping = float(damping)
+        self.server_steps = int(server_steps)
+        self.privacy = privacy
+        self.planned_rounds = None if rounds is None else int(rounds)
+        self.shards = shards
+        self.invalid = invalid
+        self.precision_floor = float(precision_floor)
+        self.trusted_aggregator = bool(trusted_aggregator)
+        self.privacy_unit = privacy_unit
+        self.client_rate = float(client_rate)
+        self.tail_average = float(tail_average)
+        self.family = family
+        self.rank = None if rank is None else int(rank)
+        self.adapter: ModelAdapter | None = None
+        self.ledger = None
+        self.plan = None
+        self.caller = "DPPVI"  # the public function whose options error messages name
+
+    # -- set-up --------------------------------------------------------------------------------
+    def _setup(self, clients, key_data):
+        """Validate and lay out the clients (shards keyed by a secret derived from ``key_data``),
+        trace the model, make the privacy plan and the local rule, and compile the round."""
+        clients = validate_clients(clients)
+        self.clients = clients
+        observed = [len(c[0]) for c in clients]
+        # every size-derived setting below (rates, charges, shard counts, scales, shapes, arrival weights)
+        # comes from these: declared public bounds, else the observed sizes (privacy.sizes)
+        p = self.privacy
+        sizes = np.asarray(observed, np.int64) if p is None or self.privacy_unit == "client" else \
+            public_client_sizes(p, observed, self.caller)
+        if self.method == "dp_optimisation":  # before tracing the model: a quick, clear error
+            check_subsampled(self.batch_size, sizes, self.caller)
+        self.adapter = model_adapter(self.model, clients)
+        for m, c in enumerate(clients):
+            self.adapter.validate_data(c, f"client {m}")
+        self.num_clients = len(clients)
+        a = self.adapter
+        # noise coordinates of one release: a change of (eta1, eta2), or DP-SGD's gradient of (loc, log_scale) or
+        # of the full-rank (loc, log_diag, offdiag), as many: 2 D or D (D + 3) / 2
+        if self.family == "low_rank":
+            self.rank = factors.resolved_rank(a.dim, self.rank)
+        dimension = (factors.num_parameters if self.method == "dp_optimisation" else factors.num_coordinates)(
+            a.dim, self.family, self.rank or 0)
+        declared = p is not None and p.public_sizes is not None
+        if self.method in UPDATE_METHODS:
+            layout = self.shard_layout(clients, key_data, counts=shard_counts(sizes, self.shards) if declared else None)
+            self.num_shards = layout.num_shards
+            self.shard_ids = layout.ids
+        else:  # declared sizes also fix the padded shape
+            layout = pad_clients(clients, size=int(sizes.max()) if declared else None)
+        self.data = tuple(to_device(x) for x in layout.arrays)
+        self.mask = to_device(layout.mask)
+        self.sizes = to_device(sizes, np.float32)
+        self.public_sizes = np.asarray(sizes, int)
+        self.plan, self.rule = plan_module.privacy_plan_and_rule(self, sizes, dimension)
+        if self.plan is not None:
+            plan_module.warn_if_noise_swamps(self)
+        self.server_step = plan_module.server_factor_step(self)
+        self.spec = RoundSpec(self.rule, self.server_step, self.schedule, self.damping, self.privacy_unit,
+                              self.trusted_aggregator, self.client_rate, None if p is None else p.clip, self.invalid,
+                              self.precision_floor, self.num_clients)
+        self._program = round_program(self.spec)
+        self._server_noise_std = to_device(float32_at_least(
+            self.plan.noise_std(0) if self.plan is not None and self.plan.kind == "client" else 0.0), np.float32)
+
+    def shard_layout(self, clients, key_data, counts=None):
+        """The shards of ``clients`` as this fit derives them (update-perturbation methods): keyed by a
+        secret derived from ``key_data``, by the records' bytes, or by their positions under the
+        substitute relation (:mod:`.shards`); ``counts``: the planned shard counts (a neighbouring data
+        set is laid out under the settings of the original)."""
+        p = self.privacy
+        return make_shards(clients, self.shards, keys.derived_bytes(key_data, keys.SHARD_HASH_TAG), counts=counts,
+                           by_position=p is not None and p.neighbouring == "substitute")
+
+    def init(self, rng_key, clients) -> PVIState:
+        """Validate and lay out the clients, trace the model, and return the initial state (``q_0`` = prior).
+
+        ``rng_key=None`` draws the fit's key from the operating system (recommended for private fits:
+        the guarantee rests on the key staying secret, and the state, which holds it, is private).
+        """
+        key_data, seed = keys.resolve(rng_key)
+        return self._init(key_data, seed, clients)
+
+    def _init(self, key_data, seed: str, clients) -> PVIState:
+        self._setup(clients, key_data)
+        m = self.num_clients
+        extras = {}  # per-client settings the rule reads from its state (numpy: the program takes them as inputs)
+        if self.method in UPDATE_METHODS:
+            extras.update(ids=np.asarray(self.shard_ids), num_shards=np.asarray(self.num_shards, np.float32),
+                          noise_std=np.zeros(m, np.float32))
+        if self.plan is not None and self.plan.kind != "client":
+            extras["noise_std"] = float32_at_least([self.plan.noise_std(j) for j in range(m)])
+        if self.plan is not None and self.plan.kind == "dp_sgd":
+            extras["rate"] = np.asarray(self.plan.rates, np.float32)
+        if self.privacy is not None and self.privacy.adaptive_clip is not None:
+            extras.update(plan_module.adaptive_clip_state(self))
+        program = cached(("pvi-initial-state", self.rule, self.server_step, m),
+                         lambda: jax.jit(functools.partial(plan_module.initial_state, self.rule, self.server_step, m)))
+        state = program(self.data, self.mask, to_device(key_data, np.uint32), self.adapter.prior,
+                        self.adapter.server_mask, extras)
+        self.seed = seed
+        self.ledger = None if self.plan is None else self.privacy.ledger(
+            m, self.trusted_aggregator, seed=seed, charges=self.plan.charges(self.planned_rounds),
+            sizes="unused" if self.privacy_unit == "client" else None)
+        return state
+
+    def _round(self, state: PVIState, data, mask, sizes, limits):
+        """The compiled round of this fit (shared with every fit of the same structure)."""
+        return self._program(state, data, mask, sizes, limits, self._server_noise_std)
+
+    def limits(self, state: PVIState, rounds: int) -> jax.Array:
+        """Per-client participation limits for the next ``rounds`` rounds (budget stop rule)."""
+        if self.plan is None:
+            return to_device(np.full(self.num_clients, np.iinfo(np.int32).max, np.int32))
+        horizon = int(rounds) * (self.num_clients if self.schedule == "asynchronous" else 1)
+        limits = self.plan.limits(self.ledger, np.asarray(state.participations), max(horizon, 1))
+        return to_device(np.minimum(limits, np.iinfo(np.int32).max), np.int32)
+
+    def round(self, state: PVIState, limits=None) -> tuple[PVIState, dict]:
+        """One round (raises, keeping ``state`` untouched, when the round would make ``q`` or a cavity
+        invalid). Charges the releases it made to :attr:`ledger`. ``limits``: the participation limits
+        from :meth:`limits` (computed for one round when omitted)."""
+        if self.adapter is None:
+            raise RuntimeError("call init(rng_key, clients) before round(state)")
+        if limits is None:
+            limits = self.limits(state, 1)
+        new_state, metrics = self._round(state, self.data, self.mask, self.sizes, limits)
+        charged = np.asarray(new_state.participations) - np.asarray(state.participations)
+        stopped = np.flatnonzero(np.asarray(metrics["stopped"])).tolist()
+        if self.ledger is not None:  # the releases happened: charge them before anything can fail
+            for m in np.flatnonzero(charged):
+                self.ledger.record(int(m), self.plan.event(int(m), int(charged[m])))
+            for m in stopped:
+                self.ledger.stop(int(m), "epsilon_max", int(state.round) + 1)
+        metrics = dict(metrics, stopped=stopped, rejected_round=False)
+        if not bool(metrics["valid"]) and self.plan is not None and self.plan.kind in ("shard_update", "client"):
+            # noisy releases whose sum would make q improper: the round is rejected as a whole (every
+            # factor and client state kept; the releases stay charged); counted in the history
+            kept = state._replace(round=new_state.round, communications=new_state.communications,
+                                  active=new_state.active, participations=new_state.participations)
+            return kept, dict(metrics, rejected_round=True)
+        if not bool(metrics["valid"]):
+            raise FloatingPointError(
+                f"round {int(state.round) + 1} produced an invalid posterior or cavity (non-finite or "
+                f"non-positive precision); the previous state is kept. In {self.caller}, {ADVICE[self.caller]}"
+                + (LOW_RANK_ADVICE if self.family == "low_rank" else "") + "."
+            )
+        return new_state, metrics
+
+    def local_posteriors(self, state: PVIState, priors: Gaussian) -> Gaussian:
+        """Every client's local update, once, from its own prior: ``q_m`` fitted with start and cavity
+        ``priors[m]`` (``[M, D]``) on its own data (Bayesian committee machines). A private rule's
+        releases are charged to :attr:`ledger` (one participation per client)."""
+        program = cached(("pvi-local-posteriors", self.rule), lambda: jax.jit(functools.partial(
+            plan_module.local_posteriors, self.rule)))
+        q_m = program(priors, self.data, self.mask, self.sizes, state.client_state,
+                      jax.random.fold_in(jax.random.wrap_key_data(state.key), 1))
+        if self.ledger is not None:
+            for m in range(self.num_clients):
+                self.ledger.record(m, self.plan.event(m, 1))
+        return q_m
+
+    def settings(self) -> dict:
+        """The data-independent settings of the fit (JSON): published as ``result.config`` and
+        compared on resume (:data:`RESUME_SETTINGS`)."""
+        out = {"method": self.method, "schedule": self.schedule, "local_steps": self.local_steps,
+               "batch_size": self.batch_size, "num_samples": self.num_samples, "damping": self.damping,
+               "server_steps": self.server_steps, "planned_rounds": self.planned_rounds,
+               "privacy_unit": self.privacy_unit, "client_rate": self.client_rate,
+               "trusted_aggregator": self.trusted_aggregator, "invalid": self.invalid,
+               "precision_floor": self.precision_floor, "tail_average": self.tail_average, "family": self.family,
+               "rank": self.rank, "shards": None,
+               "privacy": None}
+        if self.method in UPDATE_METHODS and self.adapter is not None:
+            out["shards"] = "rows" if self.shards == ROWS else [int(k) for k in self.num_shards]
+        p = self.privacy
+        if p is not None and self.plan is not None:
+            out["privacy"] = {
+                "epsilon": p.epsilon, "delta": p.delta, "clip": p.clip, "sampling": p.sampling,
+                "neighbouring": p.neighbouring, "accountant": p.accountant,
+                "epsilon_max": None if p.epsilon_max is None else
+                [float(x) for x in np.atleast_1d(p.epsilon_max_per_client(self.num_clients))],
+                "adaptive_clip": None if p.adaptive_clip is None else dataclasses.asdict(p.adaptive_clip),
+                "noise_multiplier": [float(z) for z in self.plan.noise_multipliers],
+            }
+            if p.public_sizes is not None:  # absent otherwise, as in checkpoints written before it existed
+                out["privacy"]["public_sizes"] = [int(n) for n in self.public_sizes]
+        return out
+
+    config = settings
+
+    def _result(self, state: PVIState, history: list) -> DPPVIResult:
+        return DPPVIResult(self.adapter, state.q, history, method=self.method, schedule=self.schedule,
+                           privacy=self.ledger, config=self.settings(), rounds=int(state.round),
+                           convergence=getattr(self, "convergence", None))
+
+    def _public_entry(self, state, metrics, seconds) -> tuple[dict, dict]:
+        """Split one round's record into what may be published and what stays in the private checkpoint."""
+        client_level = self.privacy_unit == "client"
+        entry = {"round": int(state.round)}
+        private = {"round": int(state.round)}
+        # A round's time follows the realised (secret) Poisson batch sizes (poisson_fold's passes): a
+        # private fit keeps it out of the published history (issue 24, finding 7).
+        (private if self.plan is not None else entry)["seconds"] = seconds
+        participated = np.asarray(metrics["participated"]).tolist()
+        if client_level:  # the client sample and its size would void the subsampling amplification
+            private.update(participated=participated, communications=int(state.communications))
+        else:
+            entry.update(communications=int(state.communications), participated=participated)
+        if metrics["stopped"]:
+            entry["stopped"] = metrics["stopped"]
+        if "invalid" in metrics:
+            invalid = np.asarray(metrics["invalid"])
+            entry["invalid_updates"] = int(np.sum(invalid))
+            if self.invalid == "reject" and invalid.any():  # whose noisy update was not applied
+                if invalid.ndim == 0:  # one aggregate (trusted aggregator): nobody's
+                    who = np.flatnonzero(np.asarray(metrics["participated"]))
+                elif "order" in metrics:  # one flag per arrival
+                    who = np.unique(np.asarray(metrics["order"])[invalid])
+                else:
+                    who = np.flatnonzero(invalid)
+                (private if client_level else entry)["invalid_clients"] = who.tolist()
+        if metrics["rejected_round"]:
+            entry["rejected_round"] = True
+        failed = np.flatnonzero(np.asarray(metrics["failed"])).tolist()
+        if failed:
+            entry["failed"] = failed
+            if "failed_coordinates" in metrics:  # where the failed updates were not finite (post-processing)
+                entry["failed_sites"] = self.adapter.sites_of(np.asarray(metrics["failed_coordinates"]))
+        if "low_rank_truncation" in metrics:  # computed from q: public
+            entry["low_rank_truncation"] = float(metrics["low_rank_truncation"])
+        if "order" in metrics and self.schedule == "asynchronous":
+            entry["arrivals"] = np.asarray(metrics["order"]).tolist()
+        return entry, private
+
+    def run(self, rng_key, clients, rounds: int, eval_data: Sequence | None = None,
+            callback: Callable | None = None, progress: bool = False, state: PVIState | None = None,
+            history: list | None = None, ledger=None, checkpoint=None, private_history: list | None = None,
+            hmac_key: bytes | None = None, track_epsilon: bool = False,
+            stop_when_converged: bool = False) -> DPPVIResult:
+        """Run ``rounds`` rounds from ``init``, or from ``state`` (with its ``history`` and privacy
+        ``ledger``) to resume, and return the (public) result.
+
+        ``checkpoint``: a path the private checkpoint is written to after every round (resume it with
+        ``fit_dppvi(..., resume=path)``). If a round would make ``q`` invalid, :class:`FitDiverged` is
+        raised carrying the last valid result (``err.result``) and the checkpoint keeps that state.
+        ``callback(state, entry)`` receives the private state and the public history entry.
+        ``track_epsilon``: also record the ledger's epsilon after every round in the history (one
+        accountant call per distinct client plan per round; otherwise epsilon is computed on demand).
+        ``stop_when_converged`` (non-private fits): stop before ``rounds`` once ``q`` has converged
+        (:func:`~numpyro_dppvi.diagnostics.convergence`, checked from round :data:`MIN_ROUNDS` on).
+        """
+        if stop_when_converged and self.plan is not None:
+            raise ValueError("stop_when_converged is for non-private fits: a private fit spends its budget over "
+                             "the rounds it was calibrated for")
+        if int(rounds) != rounds or rounds < 0:
+            raise ValueError(f"rounds must be a non-negative integer, got {rounds!r}")
+        if state is None:
+            state = self.init(rng_key, clients)
+        else:
+            if self.adapter is None:
+                raise RuntimeError("resume through fit_dppvi(..., resume=path), or call init first")
+            if self.privacy is not None:
+                if ledger is None:
+                    raise ValueError("resuming a private fit needs its ledger so spent budget is kept")
+                self.ledger = ledger
+        history = list(history or [])
+        private_history = list(private_history or [])
+        eval_arrays = None if eval_data is None else self.adapter.validate_data(eval_data, "eval_data")
+        eval_key = None if eval_data is None else jax.random.fold_in(jax.random.wrap_key_data(state.key), 0x5EED)
+        limits = self.limits(state, rounds)
+        if self.plan is not None and int(rounds) > 0 and int(state.round) > 0:
+            able = np.asarray(state.active) & (np.asarray(limits) > np.asarray(state.participations))
+            if not able.any():
+                raise ValueError(
+                    f"{self.caller}: every client's budget is spent after round {int(state.round)} (the noise was "
+                    f"calibrated to {self.planned_rounds} planned rounds), so {int(rounds)} more round(s) would release "
+                    "nothing and change nothing: the checkpoint's result is final. More rounds need a new fit planned "
+                    "for them (rounds=..., its noise calibrated to them), whose budget adds to this one's on the same data")
+        trajectory = collections.deque([diagnostics.unconstrained_coordinates(state.q)],
+                                       maxlen=2 * diagnostics.WINDOW + 1)
+        iterator = range(int(rounds))
+        if progress:
+            iterator = tqdm(iterator, desc=f"{self.method}/{self.schedule}", unit="round")
+        for _ in iterator:
+            start = time.perf_counter()
+            try:
+                state, metrics = self.round(state, limits)
+            except FloatingPointError as exc:
+                raise FitDiverged(str(exc), self._result(state, history)) from exc
+            jax.block_until_ready(state.q)
+            entry, private = self._public_entry(state, metrics, time.perf_counter() - start)
+            trajectory.append(diagnostics.unconstrained_coordinates(state.q))
+            entry["change"] = diagnostics.change(trajectory[-2], trajectory[-1])
+            if eval_arrays is not None:
+                entry.update(evaluate(self.adapter, state.q, eval_arrays, eval_key))
+            if track_epsilon and self.ledger is not None:
+                entry["epsilon"] = self.ledger.epsilon
+            history.append(entry)
+            private_history.append(private)
+            if checkpoint is not None:
+                self.save_checkpoint(checkpoint, state, history, private_history, hmac_key)
+            if callback is not None:
+                callback(state, entry)
+            if stop_when_converged and int(state.round) >= MIN_ROUNDS and self._convergence(trajectory, history)["converged"]:
+                break
+        self.convergence = self._convergence(trajectory, history)
+        result = self._result(state, history)
+        self._check_updates(result, history)
+        if rounds:
+            diagnostics.warn_if_unconverged(self.convergence, self.caller,
+                                            *convergence_advice(self.caller, self.schedule, self.family,
+                                                                private=self.plan is not None))
+        return result
+
+    def _convergence(self, trajectory, history: list) -> dict:
+        """:func:`diagnostics.convergence` of the last states, with the sites of drifting coordinates and of
+        the updates that failed over the last ``2 * WINDOW`` rounds: a fit whose updates failed there is not
+        converged, whatever q's steps say (a dropped update does not move q)."""
+        summary = diagnostics.convergence(list(trajectory),
+                                          max_jitter=diagnostics.MAX_JITTER_SD if self.plan is None else None)
+        summary["drifting_sites"] = self.adapter.sites_of(summary.pop("drifting_coordinates"))
+        recent = history[-2 * diagnostics.WINDOW:]
+        summary["failed_updates"] = sum(len(entry.get("failed", [])) for entry in recent)
+        failed_sites = set().union(*(entry.get("failed_sites", []) for entry in recent))
+        summary["failed_sites"] = [site.name for site in self.adapter.sites if site.name in failed_sites]
+        if summary["failed_updates"]:
+            summary["converged"] = False
+        return summary
+
+    def _check_updates(self, result: DPPVIResult, history: list) -> None:
+        """Raise :class:`NoValidUpdates` when no client ever produced a valid update (``q`` is the
+        prior), warn (:class:`~numpyro_dppvi.diagnostics.ClientUpdateWarning`) naming the clients that
+        took part but never updated; both are recorded in ``result.updates`` (per client: rounds taken
+        part, valid updates). Client-level DP: the client sample is private (publishing who took part
+        would void the subsampling amplification), so nothing is counted, warned or raised from it and
+        ``result.updates`` stays ``None``."""
+        if self.privacy_unit == "client":
+            return
+        taken, valid = np.zeros(self.num_clients, int), np.zeros(self.num_clients, int)
+        for entry in history:
+            part = entry.get("participated")
+            if part is None:
+                continue
+            part = np.asarray(part) > 0
+            ok = part.copy()
+            ok[entry.get("failed", [])] = False
+            if entry.get("rejected_round"):
+                ok[:] = False
+            ok[entry.get("invalid_clients", [])] = False
+            taken += part
+            valid += ok
+        result.updates = {"taken_part": taken.tolist(), "valid": valid.tolist()}
+        never = np.flatnonzero((taken > 0) & (valid == 0)).tolist()
+        if never and len(never) == int(np.sum(taken > 0)):
+            count = f"{int(taken.sum())} update(s), "
+            raise NoValidUpdates(
+                f"{self.caller}: no client produced a valid update in {len(history)} round(s) ({count}every one "
+                "non-finite or rejected), so q is still the prior. The local objective is "
+                "probably non-finite where the prior puts mass (e.g. a gradient that overflows or a log of a "
+                f"negative number); check the model at prior draws, or {ADVICE[self.caller]}. err.result holds "
+                "the unrefined result.", result)
+        if never:
+            warnings.warn(f"{self.caller}: client(s) {never[:20]} took part but never produced a valid update "
+                          "(non-finite or rejected every time): their data is not in q. result.updates has the "
+                          f"counts; {ADVICE[self.caller]}.", diagnostics.ClientUpdateWarning,
+                          stacklevel=diagnostics.user_stacklevel())
+        failed_rounds = [entry for entry in history if entry.get("failed")]
+        recent = self.convergence["failed_updates"] if self.convergence else 0
+        total = sum(len(entry["failed"]) for entry in failed_rounds)
+        if total and (recent or total > FAILED_UPDATES_TOLERATED * int(taken.sum())):
+            sites = [s.name for s in self.adapter.sites
+                     if any(s.name in entry.get("failed_sites", []) for entry in failed_rounds)]
+            where = f" (not finite on site(s) {', '.join(repr(n) for n in sites)})" if sites else ""
+            warnings.warn(
+                f"{self.caller}: {total} of {int(taken.sum())} client updates failed{where} in {len(failed_rounds)} of "
+                f"{len(history)} round(s), {recent} of them in the last {min(len(history), 2 * diagnostics.WINDOW)}; a "
+                "failed update is dropped, so q lacks those clients' data where it failed and the fit is not "
+                "converged. The local objective is not finite where q puts mass: check the model at draws of q "
+                f"for {', '.join(repr(n) for n in sites) or 'those sites'} (e.g. an exp that overflows or a log of a "
+                f"non-positive value), or {ADVICE[self.caller]}. result.updates and the history's 'failed' have "
+                "the counts.", diagnostics.ClientUpdateWarning, stacklevel=diagnostics.user_stacklevel())
+
+    def save_checkpoint(self, path, state: PVIState, history: list, private_history: list,
+                        hmac_key: bytes | None = None) -> None:
+        """Write the **private** checkpoint (:func:`.resume.save_checkpoint`). Never publish it."""
+        resume_module.save_checkpoint(self, path, state, history, private_history, hmac_key)
+
+    def resume(self, path, clients, rounds: int, hmac_key: bytes | None = None, rng_key=None,
+               **run_options) -> DPPVIResult:
+        """Continue the fit saved in the private checkpoint ``path`` until ``rounds`` rounds in total
+        (:func:`.resume.resume`: the saved settings, key, data and ledger are checked first)."""
+        return resume_module.resume(self, path, clients, rounds, hmac_key=hmac_key, rng_key=rng_key, **run_options)

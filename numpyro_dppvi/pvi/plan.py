@@ -1,0 +1,256 @@
+"""What a fit's settings make: the local rule, the privacy plan, the compiled round and its key.
+
+``DPPVI`` (:mod:`.driver`) turns its settings into a :class:`RoundSpec` (the static part of a round, the
+key of its compiled program: two fits with equal specs share one program), the local rule of its method
+(:func:`privacy_plan_and_rule`), the server-factor step (:func:`server_factor_step`) and, for a private
+fit, the privacy plan (:mod:`.privacy_plan`) with its warning when the calibrated noise swamps the
+signal (:func:`warn_if_noise_swamps`). The functions here are pure over pytrees or read the driver's
+settings; the driver holds the state.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import functools
+import warnings
+from dataclasses import dataclass
+from typing import Any, Callable
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+from .. import diagnostics, factors
+from ..factors import Gaussian
+from ..model_adapter import ModelAdapter
+from ..optim import Newton
+from ..privacy.adaptive_clip import adaptive_clip_init
+from ..privacy.noise import float32_at_least
+from ..program_cache import cached, shapes, to_device
+from . import server
+from .defaults import UPDATE_METHODS
+from .full_rank import NonPrivateFullRank, ServerFactorStepFullRank
+from .local import DPOptimisation, NonPrivate, ServerFactorStep
+from .low_rank import NonPrivateLowRank, ServerFactorStepLowRank
+from .privacy_plan import client_level_plan, dp_sgd_plan, shard_update_plan
+from .server import PVIState
+from .shards import ROWS
+from .update_perturbation import LocalAveraging, VirtualClients, trusted_aggregator_round
+
+
+@dataclass(frozen=True)
+class RoundSpec:
+    """Everything static about one round: the key of its compiled program (:func:`round_program`).
+
+    Two fits with equal specs (the same rule objects, hence the same adapter and optimiser, and the
+    same settings) share one jitted program, so a second fit, a resume or a new ``init`` compiles
+    nothing new for inputs of the same shapes.
+    """
+
+    rule: Any
+    server_step: Any
+    schedule: str
+    damping: float
+    privacy_unit: str
+    trusted_aggregator: bool
+    client_rate: float
+    clip: float | None
+    invalid: str
+    precision_floor: float
+    num_clients: int
+
+
+def round_step(spec: RoundSpec, state: PVIState, data, mask, sizes, limits, server_noise_std):
+    """One round of the fit described by ``spec`` (pure; jitted by :func:`round_program`)."""
+    key = server.round_key(state)
+    k_server, k_order, k_clients = jax.random.split(key, 3)
+    if spec.server_step is not None:
+        state = server.refine_server_factor(spec.server_step, state, k_server)
+    if spec.privacy_unit == "client":
+        return server.client_level(spec.rule, spec.damping, state, data, mask, sizes, k_clients, limits,
+                                   spec.clip, server_noise_std, spec.client_rate, spec.invalid, spec.precision_floor)
+    if spec.trusted_aggregator:
+        state, stopped = server.stop_over_budget(state, limits)
+        new_state, metrics = trusted_aggregator_round(spec.rule, spec.damping, state, data, mask, sizes,
+                                                      k_clients, state.active)
+        return server.charge(new_state, state.active), dict(metrics, stopped=stopped)
+    if spec.schedule == "synchronous":
+        return server.synchronous(spec.rule, spec.damping, state, data, mask, sizes, k_clients, limits)
+    if spec.schedule == "asynchronous":
+        order = server.arrival_order(k_order, sizes, state.active, spec.num_clients)
+    else:
+        order = jnp.arange(spec.num_clients)
+    return server.arrivals(spec.rule, spec.damping, state, data, mask, sizes, k_clients, order, limits,
+                           stale=spec.schedule == "asynchronous")
+
+
+def round_program(spec: RoundSpec) -> Callable:
+    """``jit(round)`` for ``spec``, built once per spec in the process (:mod:`numpyro_dppvi.program_cache`)."""
+    return cached(("pvi-round", spec), lambda: jax.jit(functools.partial(round_step, spec)))
+
+
+def initial_state(rule, server_step, num_clients, data, mask, key_data, prior, server_mask, extras) -> PVIState:
+    """The state before round 1 (``q_0`` = prior times the server's refined prior factor): one
+    program, jitted and cached per (rule, server step, number of clients) by ``DPPVI.init``."""
+    m, dim = num_clients, prior.eta1.shape[0]
+    family = getattr(rule, "family", "mean_field")
+    basis = factors.initial_basis(dim, rule.rank, prior.eta2.dtype) if family == "low_rank" else None
+    half = jnp.full(dim, -0.5, prior.eta2.dtype)  # a strongly typed state: a resumed one compiles nothing new
+    t0 = factors.as_family(Gaussian(jnp.zeros(dim, prior.eta1.dtype), jnp.where(server_mask, half, jnp.zeros_like(half))),
+                           family, basis)
+    prior = factors.as_family(prior, family, basis)
+    q = factors.multiply(prior, t0)
+    init_key = jax.random.fold_in(jax.random.wrap_key_data(key_data), 0x7FFFFFFF)
+    client_state = jax.vmap(rule.init_client_state)(data, mask, jax.random.split(init_key, m))
+    if extras:
+        client_state = dict(client_state, **extras) if isinstance(client_state, dict) else dict(extras)
+    state = PVIState(q=q, factors=server.broadcast(factors.zeros(dim, family=family, basis=basis), m), server_factor=t0,
+                     noise_factor=factors.zeros(dim, family=family, basis=basis), q_seen=server.broadcast(q, m), client_state=client_state,
+                     key=key_data, round=jnp.array(0, jnp.int32), communications=jnp.array(0, jnp.int32),
+                     active=jnp.ones(m, bool), participations=jnp.zeros(m, jnp.int32))
+    if server_step is not None:
+        state = server.refine_server_factor(server_step, state, init_key)
+    return state
+
+
+def local_posteriors(rule, priors, data, mask, sizes, client_state, key):
+    keys = jax.vmap(lambda i: jax.random.fold_in(key, i))(jnp.arange(sizes.shape[0]))
+    q_m, _, _ = jax.vmap(rule.update)(priors, priors, data, mask, sizes, keys, client_state)
+    return q_m
+
+
+def trace_rows(clients, count: int = 3) -> tuple:
+    """The first ``count`` rows pooled across clients (in client order): enough rows to trace the model
+    however small the clients are. Tracing sees them once and releases nothing."""
+    taken, out = 0, [[] for _ in clients[0]]
+    for client in clients:
+        need = count - taken
+        if need <= 0:
+            break
+        for j, a in enumerate(client):
+            out[j].append(np.asarray(a)[:need])
+        taken += min(need, len(client[0]))
+    return tuple(np.concatenate(parts) for parts in out)
+
+
+def model_adapter(model, clients) -> ModelAdapter:
+    """The model traced on rows pooled across clients, reused for every fit of the same model with
+    data of the same row shapes and dtypes (:mod:`numpyro_dppvi.program_cache`)."""
+    rows = trace_rows(clients)
+    key = ("adapter", model, shapes(tuple(a[:1] for a in rows)), getattr(model, "_dppvi_privacy_plate", None))
+    return cached(key, lambda: ModelAdapter(model, rows))
+
+
+
+def privacy_plan_and_rule(driver, sizes, dimension: int):
+    """``(plan, rule)`` of a fit with ``driver``'s settings: the privacy plan of its method (None for a
+    non-private fit; :mod:`.privacy_plan`), from the clients' public ``sizes`` and the ``dimension`` of one
+    release, and the local rule it runs (:mod:`.local`, :mod:`.full_rank`, :mod:`.low_rank`,
+    :mod:`.update_perturbation`)."""
+    a, p, plan = driver.adapter, driver.privacy, None
+    if driver.method == "dp_optimisation":
+        plan = dp_sgd_plan(p, sizes, driver.batch_size, driver.local_steps, driver.planned_rounds, dimension)
+        rule = DPOptimisation(a.log_lik_rows, a.dim, driver.optimizer, driver.local_steps, driver.batch_size,
+                              driver.num_samples, log_lik_row=a.log_lik_row_blocks, clip=p.clip,
+                              sampling=p.sampling, max_batch=plan.max_batch, blocks=a.site_sizes, chunk=plan.chunk,
+                              average=driver.tail_average, family=driver.family, rank=driver.rank or 0)
+    elif driver.method in UPDATE_METHODS:
+        plan = None if p is None else shard_update_plan(p, driver.num_clients, driver.planned_rounds, dimension,
+                                                        one_record_per_shard=driver.shards == ROWS)
+        cls = VirtualClients if driver.method == "virtual_clients" else LocalAveraging
+        rule = cls(a.log_lik_rows, a.dim, driver.optimizer, driver.local_steps, driver.num_samples,
+                   clip=None if p is None else p.clip, damping=driver.damping, invalid=driver.invalid,
+                   precision_floor=driver.precision_floor, family=driver.family, rank=driver.rank or 0)
+    else:
+        if driver.privacy_unit == "client":
+            plan = client_level_plan(p, driver.num_clients, driver.planned_rounds, driver.client_rate, dimension)
+        cls = {"full_rank": NonPrivateFullRank, "low_rank": NonPrivateLowRank}.get(driver.family, NonPrivate)
+        extra = {"rank": driver.rank} if driver.family == "low_rank" else {}
+        rule = cls(a.log_lik_rows, a.dim, driver.optimizer, driver.local_steps, driver.batch_size,
+                   driver.num_samples, average=driver.tail_average, **extra)
+    return plan, rule
+
+
+def server_factor_step(driver):
+    """The step refining the server-held prior factor (priors that are not Normal), or None: Newton steps
+    for the full-rank and low-rank families, the driver's optimiser on ``(loc, log_scale)`` otherwise."""
+    a = driver.adapter
+    if not a.has_server_factor:
+        return None
+    server_mask = tuple(bool(b) for b in np.asarray(a.server_mask))
+    if driver.family in ("full_rank", "low_rank"):
+        newton = driver.optimizer if isinstance(driver.optimizer, Newton) else Newton()
+        cls = ServerFactorStepLowRank if driver.family == "low_rank" else ServerFactorStepFullRank
+        return cls(a.server_log_density, server_mask, driver.server_steps, driver.num_samples, newton.precision_step)
+    return ServerFactorStep(a.server_log_density, server_mask, driver.optimizer, driver.server_steps,
+                            driver.num_samples)
+
+
+def signal_terms(driver, plan) -> np.ndarray:
+    """Per client: clipped contributions summed in one release (see :func:`diagnostics.noise_to_signal`)."""
+    if plan.kind == "dp_sgd":
+        return plan.rates * driver.public_sizes
+    if plan.kind == "shard_update":
+        return np.asarray(driver.num_shards, np.float64)
+    return np.full(driver.num_clients, driver.client_rate * driver.num_clients)
+
+
+def noise_to_signal(driver, plan) -> np.ndarray:
+    noise = np.array([plan.noise_std(m) for m in range(driver.num_clients)])
+    return diagnostics.noise_to_signal(noise, plan.dimension, signal_terms(driver, plan), driver.privacy.clip)
+
+
+def warn_if_noise_swamps(driver) -> None:
+    """Warn (:class:`~numpyro_dppvi.diagnostics.NoiseWarning`) before fitting when one release's noise
+    is larger than any signal it can carry, with settings that would bring it to half of that."""
+    ratio = noise_to_signal(driver, driver.plan)
+    if float(ratio.max()) <= diagnostics.NOISE_SWAMPS:
+        return
+    worst = int(np.argmax(ratio))
+    what = {"dp_sgd": f"a batch of {driver.plan.rates[worst] * driver.public_sizes[worst]:.0f} clipped gradients",
+            "shard_update": f"{signal_terms(driver, driver.plan)[worst]:.0f} clipped shard change(s)",
+            "client": "the clipped client changes"}[driver.plan.kind]
+    warnings.warn(
+        f"{driver.caller}: the calibrated noise swamps the signal: noise multiplier "
+        f"{driver.plan.noise_multipliers[worst]:.3g}, so one release's noise has norm {ratio[worst]:.2g} times "
+        f"the largest norm of {what} (client {worst}, {driver.plan.dimension} noise coordinates). "
+        f"{noise_advice(driver)}", diagnostics.NoiseWarning, stacklevel=diagnostics.user_stacklevel())
+
+
+def noise_advice(driver) -> str:
+    """Fewer releases for the same budget (calibrated noise only): the first halving of the local steps
+    (then of the rounds) that brings every client's ratio to ``NOISE_SWAMPS / 2``."""
+    p = driver.privacy
+    if p.epsilon is None:
+        return "A smaller noise_multiplier (it costs more epsilon), a larger batch or more data per client would help."
+    steps, rounds = driver.plan.steps_per_participation, driver.planned_rounds or 1
+    for _ in range(8):
+        if steps > 1:
+            steps = max(steps // 2, 1)
+        elif rounds > 1:
+            rounds = max(rounds // 2, 1)
+        else:
+            break
+        trial = dataclasses.replace(driver.plan, steps_per_participation=steps, noise_multipliers=None)
+        trial.calibrate(rounds)
+        if float(noise_to_signal(driver, trial).max()) <= diagnostics.NOISE_SWAMPS / 2:
+            if driver.caller == "fit_global_vi":
+                fewer = f"steps={rounds * steps} with steps_per_round={steps}"
+            elif driver.plan.kind == "dp_sgd":
+                fewer = f"rounds={rounds} with local_steps={steps}"
+            else:
+                fewer = f"rounds={rounds}"
+            return (f"For epsilon={p.epsilon:g}, {fewer} would bring it to half the signal; more data per "
+                    "client or a larger epsilon would too.")
+    return f"No number of rounds brings it below the signal at epsilon={p.epsilon:g}: use a larger epsilon or more data per client."
+
+
+def adaptive_clip_state(driver) -> dict:
+    """Per-client adaptive clipping state, starting at ``Privacy.clip`` (stacked over clients)."""
+    p, settings = driver.privacy, driver.privacy.adaptive_clip
+    states = [adaptive_clip_init(p.clip, float(driver.batch_size), p.count_noise_std(float(z)),
+                                 settings.target_quantile, settings.learning_rate)
+              for z in driver.plan.noise_multipliers]
+    return {"clip": jax.tree.map(lambda *xs: jnp.stack(xs), *states),
+            "noise_per_clip": to_device(float32_at_least([p.gradient_noise_std(float(z), clip=1.0)
+                                                          for z in driver.plan.noise_multipliers]), np.float32)}
