@@ -128,15 +128,24 @@ def test_epsilon_max_stops_a_client_and_the_fit_continues():
     assert not result.history[-1]["participated"][1] and result.history[-1]["participated"][0]
 
 
-def test_private_resume_continues_the_ledger(tmp_path):
+@pytest.mark.parametrize("public_sizes", [None, 250])
+def test_private_resume_continues_the_ledger(tmp_path, public_sizes):
+    """A resumed fit equals the uninterrupted one, ledger included; with declared public sizes (issue 24) the
+    bound is a saved setting: the ledger keeps saying the sizes were declared, and a resume under another
+    bound is refused (its rates, hence its ledger events, would differ)."""
     clients = small_clients()
-    privacy = Privacy(noise_multiplier=1.2, clip=1.0)
+    privacy = Privacy(noise_multiplier=1.2, clip=1.0, public_sizes=public_sizes)
     full = driver(privacy).run(jax.random.key(4), clients, rounds=4)
     part = driver(privacy).run(jax.random.key(4), clients, rounds=2, checkpoint=tmp_path / "p.ckpt")
     resumed = driver(privacy).resume(tmp_path / "p.ckpt", clients, rounds=4)
     np.testing.assert_array_equal(np.asarray(resumed.q.eta1), np.asarray(full.q.eta1))
     np.testing.assert_allclose(resumed.privacy.epsilon_per_client, full.privacy.epsilon_per_client, rtol=1e-12)
     assert resumed.privacy == full.privacy and part.privacy.num_releases(0) * 2 == full.privacy.num_releases(0)
+    assert resumed.privacy.sizes == ("observed" if public_sizes is None else "declared")
+    if public_sizes is not None:
+        with pytest.raises(ValueError, match="public_sizes"):
+            driver(Privacy(noise_multiplier=1.2, clip=1.0, public_sizes=300)).resume(tmp_path / "p.ckpt", clients,
+                                                                                      rounds=4)
     d = driver(privacy)
     state = d.init(jax.random.key(4), clients)
     with pytest.raises(ValueError, match="ledger"):
