@@ -10,9 +10,12 @@ certainty (issue 24, finding 1: the published rate gave ``n = 200.000`` against 
 ``Privacy(public_sizes=N)`` declares a public **upper bound** ``N_m`` per client (one int for all, or
 one per client): "this hospital holds at most 5,000 patients". Every size-derived setting is then
 computed from ``N_m`` alone, so the mechanism, its accounting and everything published are the same
-for every data set of at most ``N_m`` rows, and the guarantee holds between any two of them that are
-neighbours: ``D`` and ``D`` plus one record when that one fits, ``n_m + 1 <= N_m``. A client holding
-more rows than its bound is refused before anything is computed (the error stays with the data holder).
+for every data set of 1 to ``N_m`` rows, and the guarantee holds between any two of them that are
+neighbours: ``D`` and ``D`` plus one record when that one fits, ``n_m + 1 <= N_m`` (an empty client is
+refused). A client holding more rows than its bound is refused before anything is computed (in a fit the
+error stays with the data holder; a Flower node's settings error reaches the server: a configuration outside
+the guarantee's domain). Client-level DP derives nothing from a size; its declared bounds are checked and
+published as declared.
 The estimators stay unbiased: a Poisson batch at rate ``q_m = b / N_m`` holds ``q_m n_m <= b`` rows on
 average and its sum is scaled by ``1 / q_m``; shard methods average over ``N_m``-derived shard counts,
 empty shards adding nothing (a loose bound shrinks those changes by ``n_m / N_m``: declare a tight one).

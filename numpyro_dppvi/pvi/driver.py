@@ -31,7 +31,7 @@ from ..model_adapter import ModelAdapter
 from ..optim import Newton
 from ..privacy import Privacy
 from ..privacy.noise import float32_at_least
-from ..privacy.sizes import public_client_sizes
+from ..privacy.sizes import declared_sizes, public_client_sizes
 from ..program_cache import cached, to_device
 from ..results import DPPVIResult
 from . import plan as plan_module
@@ -233,6 +233,7 @@ class DPPVI:
         self.family = family
         self.rank = None if rank is None else int(rank)
         self.adapter: ModelAdapter | None = None
+        self.declared_sizes = None  # Privacy.public_sizes, checked against the clients (set up by init)
         self.ledger = None
         self.plan = None
         self.caller = "DPPVI"  # the public function whose options error messages name
@@ -247,6 +248,10 @@ class DPPVI:
         # every size-derived setting below (rates, charges, shard counts, scales, shapes, arrival weights)
         # comes from these: declared public bounds, else the observed sizes (privacy.sizes)
         p = self.privacy
+        # declared bounds are checked (and published) whatever the unit; client-level DP derives nothing from a size
+        # (a client's rows stay inside its clipped change), so it computes with the observed ones
+        self.declared_sizes = None if p is None or p.public_sizes is None else \
+            declared_sizes(p.public_sizes, observed, self.caller)
         sizes = np.asarray(observed, np.int64) if p is None or self.privacy_unit == "client" else \
             public_client_sizes(p, observed, self.caller)
         if self.method == "dp_optimisation":  # before tracing the model: a quick, clear error
@@ -262,7 +267,7 @@ class DPPVI:
             self.rank = factors.resolved_rank(a.dim, self.rank)
         dimension = (factors.num_parameters if self.method == "dp_optimisation" else factors.num_coordinates)(
             a.dim, self.family, self.rank or 0)
-        declared = p is not None and p.public_sizes is not None
+        declared = self.declared_sizes is not None and self.privacy_unit != "client"
         if self.method in UPDATE_METHODS:
             layout = self.shard_layout(clients, key_data, counts=shard_counts(sizes, self.shards) if declared else None)
             self.num_shards = layout.num_shards
@@ -404,8 +409,8 @@ class DPPVI:
                 "adaptive_clip": None if p.adaptive_clip is None else dataclasses.asdict(p.adaptive_clip),
                 "noise_multiplier": [float(z) for z in self.plan.noise_multipliers],
             }
-            if p.public_sizes is not None:  # absent otherwise, as in checkpoints written before it existed
-                out["privacy"]["public_sizes"] = [int(n) for n in self.public_sizes]
+            if self.declared_sizes is not None:  # absent otherwise, as in checkpoints written before it existed
+                out["privacy"]["public_sizes"] = [int(n) for n in self.declared_sizes]
         return out
 
     config = settings

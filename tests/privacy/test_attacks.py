@@ -577,6 +577,9 @@ SIZE_CASES = {
     "virtual_clients": dict(method="virtual_clients", local_steps=2, num_samples=2),
     "trusted_aggregator": dict(method="local_averaging", batch_size=5, trusted_aggregator=True, local_steps=2,
                                num_samples=2),
+    # client-level DP derives nothing from a size; the declared bounds it publishes must be the bounds (an attack
+    # review found the observed sizes published in their place)
+    "client_level": dict(method="pvi", privacy_unit="client", local_steps=2, num_samples=2),
 }
 
 
@@ -630,7 +633,8 @@ def test_a_fit_on_d_and_on_d_plus_one_record_publish_the_same_fields_but_q(case,
     events, calibrated noise multipliers, shard counts, settings, history — is identical, for DP-SGD (both
     schedules: the asynchronous server weighs arrivals by size) and the shard methods (shard counts from the
     bound). Before: the rate, the overflow charge and the calibrated noise multiplier of the larger client
-    differed (DP optimisation), as did its shard count ("rows") and its noise multiplier."""
+    differed (DP optimisation), as did its shard count ("rows") and its noise multiplier; client-level DP published
+    the observed sizes as its declared ones."""
     clients = data(n=60, m=3)
     extra = [tuple(np.concatenate([a, a[-1:] * 0.5]) for a in clients[0])] + list(clients[1:])
     options = dict(schedule="synchronous", rounds=2, optimizer=optax.adam(5e-2))
