@@ -17,9 +17,9 @@ script writes it: the model re-defined by its ``def`` (:func:`make_model`), ``op
 * ``numpyro_svi_run``: ``SVI.run`` with the batch drawn inside the model (``plate(subsample_size=100)``),
   the loop the earlier version of this harness compared with (about 9x slower a step), for reference;
 * ``fresh_process``: the first ``fit_dppvi`` of a new Python process, with an empty persistent cache
-  (``dppvi.enable_compilation_cache``: compiled programs and the accountant's answers) and with one filled by an
-  earlier process (median of three new processes), each against NumPyro's first fast loop in a new process with
-  its own empty / filled JAX cache.
+  (``dppvi.enable_compilation_cache``: compiled programs and the accountant's answers; median of three processes,
+  each with its own) and with one filled by an earlier process (median of three), each against NumPyro's first
+  fast loop in a new process with its own empty / filled JAX cache, the two interleaved.
 
 Targets (issue 25): second fit / its rounds <= 1.3; DP fit / fast SVI loop <= 3; non-private fit / fast SVI loop
 <= 2; first DP fit / NumPyro's first fast loop in a new process <= 1, with empty and with warm caches.
@@ -180,12 +180,21 @@ def fresh_process_first_call(cache_dir: str, what: str = "dppvi") -> float:
     return json.loads(out.stdout.strip().splitlines()[-1])["first_call_s"]
 
 
-def fresh_processes(what: str) -> dict:
-    """The first call in a new process with an empty cache, then the median of three with the cache it filled."""
-    with tempfile.TemporaryDirectory() as cache:
-        cold = fresh_process_first_call(cache, what)
-        warm = [fresh_process_first_call(cache, what) for _ in range(3)]
-    return {"empty_cache_s": cold, "warm_cache_s": float(np.median(warm)), "warm_cache_all_s": warm}
+def fresh_processes(repeats: int = 3) -> dict:
+    """First calls in new processes, the library's and NumPyro's interleaved (a drift in the machine's speed
+    touches both alike): ``repeats`` processes each with a cache of its own, empty; then ``repeats`` processes
+    reading the cache the first one filled. Medians and every value."""
+    runs = {what: {"empty": [], "warm": []} for what in ("dppvi", "numpyro")}
+    with tempfile.TemporaryDirectory() as root:
+        for i in range(repeats):
+            for what, times in runs.items():
+                times["empty"].append(fresh_process_first_call(f"{root}/{what}{i}", what))
+        for _ in range(repeats):
+            for what, times in runs.items():
+                times["warm"].append(fresh_process_first_call(f"{root}/{what}0", what))
+    return {what: {"empty_cache_s": float(np.median(t["empty"])), "empty_cache_all_s": t["empty"],
+                   "warm_cache_s": float(np.median(t["warm"])), "warm_cache_all_s": t["warm"]}
+            for what, t in runs.items()}
 
 
 def main(repeats: int = 15):
@@ -197,7 +206,8 @@ def main(repeats: int = 15):
     results["dp_fit_over_svi_fast"] = results["private"]["fit_second_call"]["median_s"] / fast
     results["non_private_fit_over_svi_fast"] = results["non_private"]["fit_second_call"]["median_s"] / fast
     results["svi_run_over_svi_fast"] = results["numpyro_svi_run"]["median_s"] / fast
-    dp, svi = fresh_processes("dppvi"), fresh_processes("numpyro")
+    fresh = fresh_processes()
+    dp, svi = fresh["dppvi"], fresh["numpyro"]
     results["fresh_process"] = {"dppvi": dp, "numpyro_svi_fast": svi,
                                 "empty_cache_ratio": dp["empty_cache_s"] / svi["empty_cache_s"],
                                 "warm_cache_ratio": dp["warm_cache_s"] / svi["warm_cache_s"]}

@@ -125,10 +125,7 @@ def calibrate_noise(
         raise ValueError("the plan has no releases: any noise multiplier meets the budget.")
     for events in plan_fn(1.0):
         backends.check_supported(events, neighbouring, backend)
-    # what epsilon depends on (not the overflow or the noise dimension, which are delta's)
-    signature = tuple(tuple((e.noise_multiplier, e.sampling, e.rate, e.count) for e in client)
-                      for sigma in (1.0, 2.0) for client in plan_fn(sigma))
-    memo_key = (signature, float(epsilon), delta, neighbouring, backend, float(rtol))
+    memo_key = _memo_key(epsilon, delta, plan_fn, neighbouring, backend, rtol)
     if memo_key in _SOLVED:
         _SOLVED.move_to_end(memo_key)
         return _SOLVED[memo_key]
@@ -140,6 +137,23 @@ def calibrate_noise(
     while len(_SOLVED) > _MAX_SOLVED:
         _SOLVED.popitem(last=False)
     return sigma
+
+
+def _memo_key(epsilon, delta, plan_fn, neighbouring, backend, rtol) -> tuple:
+    """What a calibration's answer depends on: the plan's events at two noise levels (not the overflow
+    or the noise dimension, which are delta's) and the budget."""
+    signature = tuple(tuple((e.noise_multiplier, e.sampling, e.rate, e.count) for e in client)
+                      for sigma in (1.0, 2.0) for client in plan_fn(sigma))
+    return (signature, float(epsilon), float(delta), neighbouring, backend, float(rtol))
+
+
+def is_solved(epsilon: float, delta: float, plan: Plan, neighbouring: str = "add_remove", backend: str = "pld",
+              rtol: float = 1e-3) -> bool:
+    """Whether :func:`calibrate_noise` with these arguments would answer without a search: solved earlier in
+    this process, or kept by an earlier process in the signed memo (:mod:`.accounting_memo`). A fit asks
+    this to decide whether compiling its programs while the accountant searches is worth a thread."""
+    key = _memo_key(epsilon, delta, _plan_function(plan), neighbouring, backend, rtol)
+    return key in _SOLVED or _from_disk(key) is not None
 
 
 def clear_memo() -> None:

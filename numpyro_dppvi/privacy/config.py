@@ -25,7 +25,7 @@ import numpy as np
 
 from . import backends
 from .adaptive_clip import AdaptiveClip, count_sensitivity, split_noise_multiplier
-from .calibration import calibrate_noise, plan_charges, plan_epsilon
+from .calibration import calibrate_noise, is_solved, plan_charges, plan_epsilon
 from .events import GaussianEvent, check_neighbouring, sensitivity
 from .ledger import PrivacyLedger
 from .sizes import validated_public_sizes
@@ -225,6 +225,17 @@ class Privacy:
                     )
             return self.noise_multiplier
         return self.resolve_budget(plan, charges)
+
+    def resolves_at_once(self, plan: Callable[[float], Sequence], charges: float | None = None) -> bool:
+        """Whether :meth:`resolve` answers without running the accountant: a noise multiplier alone, or a
+        budget whose calibration is memoised (:func:`~numpyro_dppvi.privacy.calibration.is_solved`)."""
+        if self.epsilon is None:
+            return True
+        if self.noise_multiplier is not None:
+            return False  # the budget is checked with the accountant
+        charges = plan_charges(plan) if charges is None else charges
+        return is_solved(self.epsilon, self.accounting_delta(charges), lambda z: plan(self.from_event(z)),
+                         self.neighbouring, self.accountant)
 
     def resolve_budget(self, plan: Callable[[float], Sequence], charges: float | None = None) -> float:
         if self.epsilon is None:

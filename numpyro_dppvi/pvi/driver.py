@@ -11,6 +11,7 @@ published, and writes the state only to a private checkpoint (``checkpoint=path`
 from __future__ import annotations
 
 import collections
+import concurrent.futures
 import dataclasses
 import functools
 import time
@@ -278,16 +279,14 @@ class DPPVI:
         self.mask = to_device(layout.mask)
         self.sizes = to_device(sizes, np.float32)
         self.public_sizes = np.asarray(sizes, int)
-        self.plan, self.rule = plan_module.privacy_plan_and_rule(self, sizes, dimension)
-        if self.plan is not None:
-            plan_module.warn_if_noise_swamps(self)
+        # the noise is calibrated by init, while the programs compile (_calibrate): they take it as an input
+        self.plan, self.rule = plan_module.privacy_plan_and_rule(self, sizes, dimension, calibrate=False)
         self.server_step = plan_module.server_factor_step(self)
         self.spec = RoundSpec(self.rule, self.server_step, self.schedule, self.damping, self.privacy_unit,
                               self.trusted_aggregator, self.client_rate, None if p is None else p.clip, self.invalid,
                               self.precision_floor, self.num_clients)
         self._program = round_program(self.spec)
-        self._server_noise_std = to_device(float32_at_least(
-            self.plan.noise_std(0) if self.plan is not None and self.plan.kind == "client" else 0.0), np.float32)
+        self._server_noise_std = to_device(float32_at_least(0.0), np.float32)  # client-level DP: set by _calibrate
 
     def shard_layout(self, clients, key_data, counts=None):
         """The shards of ``clients`` as this fit derives them (update-perturbation methods): keyed by a
@@ -310,25 +309,68 @@ class DPPVI:
     def _init(self, key_data, seed: str, clients) -> PVIState:
         self._setup(clients, key_data)
         m = self.num_clients
-        extras = {}  # per-client settings the rule reads from its state (numpy: the program takes them as inputs)
-        if self.method in UPDATE_METHODS:
-            extras.update(ids=np.asarray(self.shard_ids), num_shards=np.asarray(self.num_shards, np.float32),
-                          noise_std=np.zeros(m, np.float32))
-        if self.plan is not None and self.plan.kind != "client":
-            extras["noise_std"] = float32_at_least([self.plan.noise_std(j) for j in range(m)])
-        if self.plan is not None and self.plan.kind == "dp_sgd":
-            extras["rate"] = np.asarray(self.plan.rates, np.float32)
-        if self.privacy is not None and self.privacy.adaptive_clip is not None:
-            extras.update(plan_module.adaptive_clip_state(self))
         program = cached(("pvi-initial-state", self.rule, self.server_step, m),
                          lambda: jax.jit(functools.partial(plan_module.initial_state, self.rule, self.server_step, m)))
-        state = program(self.data, self.mask, to_device(key_data, np.uint32), self.adapter.prior,
-                        self.adapter.server_mask, extras)
+        inputs = (self.data, self.mask, to_device(key_data, np.uint32), self.adapter.prior, self.adapter.server_mask)
+        if self.plan is not None:
+            self._calibrate(program, inputs)
+        state = program(*inputs, self._initial_extras(self.plan))
         self.seed = seed
         self.ledger = None if self.plan is None else self.privacy.ledger(
             m, self.trusted_aggregator, seed=seed, charges=self.plan.charges(self.planned_rounds),
             sizes="unused" if self.privacy_unit == "client" else None)
         return state
+
+    def _initial_extras(self, plan) -> dict:
+        """Per-client settings the rule reads from its state, with ``plan``'s noise (NumPy: the programs take
+        them as inputs, so that a placeholder plan of the same shape compiles the same programs)."""
+        m = self.num_clients
+        extras = {}
+        if self.method in UPDATE_METHODS:
+            extras.update(ids=np.asarray(self.shard_ids), num_shards=np.asarray(self.num_shards, np.float32),
+                          noise_std=np.zeros(m, np.float32))
+        if plan is not None and plan.kind != "client":
+            extras["noise_std"] = float32_at_least([plan.noise_std(j) for j in range(m)])
+        if plan is not None and plan.kind == "dp_sgd":
+            extras["rate"] = np.asarray(plan.rates, np.float32)
+        if self.privacy is not None and self.privacy.adaptive_clip is not None:
+            extras.update(plan_module.adaptive_clip_state(self, plan))
+        return extras
+
+    def _calibrate(self, initial_program, inputs) -> None:
+        """Calibrate the plan's noise for the planned rounds, then warn if it swamps the signal.
+
+        A first fit's calibration searches the PLD accountant for seconds, as long as compiling the fit's
+        programs. Those programs take the noise as an input, so they are compiled meanwhile on a second
+        thread (XLA's compiler runs without Python's lock) for a placeholder plan of the same shape
+        (:meth:`_compile_ahead`); the calls that follow find them compiled. A calibration known at once
+        (memoised, or a noise multiplier alone) needs no thread.
+        """
+        rounds = self.planned_rounds
+        if self.plan.calibrated_at_once(rounds):
+            self.plan.calibrate(rounds)
+        else:
+            placeholder = dataclasses.replace(self.plan, noise_multipliers=np.ones(self.num_clients))
+            pool = concurrent.futures.ThreadPoolExecutor(1, thread_name_prefix="dppvi-compile")
+            compiling = pool.submit(self._compile_ahead, initial_program, inputs, self._initial_extras(placeholder))
+            try:
+                self.plan.calibrate(rounds)
+            except BaseException:
+                pool.shutdown(wait=False, cancel_futures=True)  # the error now; the compilation ends on its own
+                raise
+            compiling.result()
+            pool.shutdown()
+        if self.plan.kind == "client":
+            self._server_noise_std = to_device(float32_at_least(self.plan.noise_std(0)), np.float32)
+        plan_module.warn_if_noise_swamps(self)
+
+    def _compile_ahead(self, initial_program, inputs, placeholder_extras) -> None:
+        """Compile the initial-state program and the round for this fit's shapes, from a placeholder state
+        (its noise settings are placeholders of the real ones' shapes). Runs the initial-state program once;
+        nothing it computes leaves this function."""
+        state = initial_program(*inputs, placeholder_extras)
+        limits = to_device(np.zeros(self.num_clients), np.int32)
+        self._program.lower(state, self.data, self.mask, self.sizes, limits, self._server_noise_std).compile()
 
     def _round(self, state: PVIState, data, mask, sizes, limits):
         """The compiled round of this fit (shared with every fit of the same structure)."""

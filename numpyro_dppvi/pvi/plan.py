@@ -142,28 +142,32 @@ def model_adapter(model, clients) -> ModelAdapter:
 
 
 
-def privacy_plan_and_rule(driver, sizes, dimension: int):
+def privacy_plan_and_rule(driver, sizes, dimension: int, calibrate: bool = True):
     """``(plan, rule)`` of a fit with ``driver``'s settings: the privacy plan of its method (None for a
     non-private fit; :mod:`.privacy_plan`), from the clients' public ``sizes`` and the ``dimension`` of one
     release, and the local rule it runs (:mod:`.local`, :mod:`.full_rank`, :mod:`.low_rank`,
-    :mod:`.update_perturbation`)."""
+    :mod:`.update_perturbation`). ``calibrate=False``: the plan's noise is left for the caller to
+    calibrate (``plan.calibrate(rounds)``; the rule does not depend on it)."""
     a, p, plan = driver.adapter, driver.privacy, None
     if driver.method == "dp_optimisation":
-        plan = dp_sgd_plan(p, sizes, driver.batch_size, driver.local_steps, driver.planned_rounds, dimension)
+        plan = dp_sgd_plan(p, sizes, driver.batch_size, driver.local_steps, driver.planned_rounds, dimension,
+                           calibrate)
         rule = DPOptimisation(a.log_lik_rows, a.dim, driver.optimizer, driver.local_steps, driver.batch_size,
                               driver.num_samples, log_lik_row=a.log_lik_row_blocks, clip=p.clip,
                               sampling=p.sampling, max_batch=plan.max_batch, blocks=a.site_sizes, chunk=plan.chunk,
                               average=driver.tail_average, family=driver.family, rank=driver.rank or 0)
     elif driver.method in UPDATE_METHODS:
         plan = None if p is None else shard_update_plan(p, driver.num_clients, driver.planned_rounds, dimension,
-                                                        one_record_per_shard=driver.shards == ROWS)
+                                                        one_record_per_shard=driver.shards == ROWS,
+                                                        calibrate=calibrate)
         cls = VirtualClients if driver.method == "virtual_clients" else LocalAveraging
         rule = cls(a.log_lik_rows, a.dim, driver.optimizer, driver.local_steps, driver.num_samples,
                    clip=None if p is None else p.clip, damping=driver.damping, invalid=driver.invalid,
                    precision_floor=driver.precision_floor, family=driver.family, rank=driver.rank or 0)
     else:
         if driver.privacy_unit == "client":
-            plan = client_level_plan(p, driver.num_clients, driver.planned_rounds, driver.client_rate, dimension)
+            plan = client_level_plan(p, driver.num_clients, driver.planned_rounds, driver.client_rate, dimension,
+                                     calibrate)
         cls = {"full_rank": NonPrivateFullRank, "low_rank": NonPrivateLowRank}.get(driver.family, NonPrivate)
         extra = {"rank": driver.rank} if driver.family == "low_rank" else {}
         rule = cls(a.log_lik_rows, a.dim, driver.optimizer, driver.local_steps, driver.batch_size,
@@ -245,12 +249,13 @@ def noise_advice(driver) -> str:
     return f"No number of rounds brings it below the signal at epsilon={p.epsilon:g}: use a larger epsilon or more data per client."
 
 
-def adaptive_clip_state(driver) -> dict:
-    """Per-client adaptive clipping state, starting at ``Privacy.clip`` (stacked over clients)."""
+def adaptive_clip_state(driver, plan) -> dict:
+    """Per-client adaptive clipping state, starting at ``Privacy.clip`` (stacked over clients), with
+    ``plan``'s noise."""
     p, settings = driver.privacy, driver.privacy.adaptive_clip
     states = [adaptive_clip_init(p.clip, float(driver.batch_size), p.count_noise_std(float(z)),
                                  settings.target_quantile, settings.learning_rate)
-              for z in driver.plan.noise_multipliers]
+              for z in plan.noise_multipliers]
     return {"clip": jax.tree.map(lambda *xs: jnp.stack(xs), *states),
             "noise_per_clip": to_device(float32_at_least([p.gradient_noise_std(float(z), clip=1.0)
-                                                          for z in driver.plan.noise_multipliers]), np.float32)}
+                                                          for z in plan.noise_multipliers]), np.float32)}

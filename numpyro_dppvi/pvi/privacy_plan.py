@@ -83,6 +83,16 @@ class PrivacyPlan:
         if p.noise_multiplier is None:
             self.calibrated_participations = rounds
 
+    def calibrated_at_once(self, rounds: int | None) -> bool:
+        """Whether :meth:`calibrate` answers without running the accountant (a noise multiplier alone, or
+        every client's calibration memoised)."""
+        p = self.privacy
+        if p.epsilon is not None and p.noise_multiplier is None and rounds is None:
+            return True  # calibrate raises at once
+        charges = self.charges(rounds)
+        return all(p.resolves_at_once(lambda z, m=m: [self.event(m, rounds or 1, z)], charges)
+                   for m in np.unique(self.rates, return_index=True)[1])
+
     def charges(self, rounds: int | None) -> float:
         """The largest over clients of the probabilities ``rounds`` participations charge to delta
         (:func:`~numpyro_dppvi.privacy.ledger.extra_mass`): the ledger's delta is the requested one less
@@ -167,7 +177,7 @@ def check_subsampled(batch_size: int, sizes, caller: str = "fit_dppvi") -> None:
 
 
 def dp_sgd_plan(privacy: Privacy, sizes, batch_size: int, local_steps: int, rounds: int | None,
-                dimension: int) -> PrivacyPlan:
+                dimension: int, calibrate: bool = True) -> PrivacyPlan:
     sizes = np.asarray(sizes, int)
     check_subsampled(batch_size, sizes)
     if privacy.sampling == "poisson":  # rates rounded up so that clients of nearly equal size share one
@@ -183,25 +193,28 @@ def dp_sgd_plan(privacy: Privacy, sizes, batch_size: int, local_steps: int, roun
         dimension += 1  # the noisy count of the private quantile estimate
     plan = PrivacyPlan(privacy, "dp_sgd", local_steps, rates, overflow, dimension, max_batch=int(batch_size),
                        chunk=chunk)
-    plan.calibrate(rounds)
+    if calibrate:
+        plan.calibrate(rounds)
     return plan
 
 
 def shard_update_plan(privacy: Privacy, num_clients: int, rounds: int | None, dimension: int,
-                      one_record_per_shard: bool) -> PrivacyPlan:
+                      one_record_per_shard: bool, calibrate: bool = True) -> PrivacyPlan:
     kind = "sum_of_records" if one_record_per_shard else "shard_update"
     plan = PrivacyPlan(privacy, "shard_update", 1, np.ones(num_clients), np.zeros(num_clients), dimension,
                        sensitivity_kind=kind)
-    plan.calibrate(rounds)
+    if calibrate:
+        plan.calibrate(rounds)
     return plan
 
 
 def client_level_plan(privacy: Privacy, num_clients: int, rounds: int | None, client_rate: float,
-                      dimension: int) -> PrivacyPlan:
+                      dimension: int, calibrate: bool = True) -> PrivacyPlan:
     if not (0.0 < client_rate <= 1.0):
         raise ValueError(f"client_rate must be in (0, 1], got {client_rate}")
     if client_rate < 1.0 and privacy.sampling != "poisson":
         raise ValueError("client subsampling is Poisson sampling over clients; use Privacy(sampling='poisson')")
     plan = PrivacyPlan(privacy, "client", 1, np.full(num_clients, client_rate), np.zeros(num_clients), dimension)
-    plan.calibrate(rounds)
+    if calibrate:
+        plan.calibrate(rounds)
     return plan

@@ -183,3 +183,54 @@ def test_what_changes_the_program_compiles_anew(change, monkeypatch):
     assert COMPILE_EVENTS
     assert not np.array_equal(np.asarray(before.q.eta1), np.asarray(after.q.eta1))
     np.testing.assert_array_equal(np.asarray(after.q.eta1), np.asarray(fresh_programs(changed).q.eta1))
+
+
+# --------------------------------------------------------------------------- calibration meanwhile (issue 25)
+
+def budget_fit(**extra):
+    return dppvi.fit_dppvi(logistic, clients(0), method="dp_optimisation", batch_size=10, schedule="synchronous",
+                           rounds=2, local_steps=3, num_samples=2, rng_key=jax.random.key(3), **extra)
+
+
+def test_compiling_while_the_accountant_searches_gives_the_fit_that_calibrates_first(monkeypatch, caplog):
+    """A first fit of a budget compiles its programs on a second thread while the accountant searches (the
+    noise is an input of the programs, so a placeholder of its shape compiles the same ones); the same fit
+    again, its calibration memoised, runs no thread. Both give the same q and ledger, bit for bit, and the
+    programs compiled ahead are the ones the fit runs (each compiled once)."""
+    import logging
+
+    from numpyro_dppvi.privacy import calibration
+    from numpyro_dppvi.pvi.driver import DPPVI
+
+    ahead = []
+    compile_ahead = DPPVI._compile_ahead
+    monkeypatch.setattr(DPPVI, "_compile_ahead", lambda self, *a: ahead.append(1) or compile_ahead(self, *a))
+    calibration.clear_memo()
+    cache._PROGRAMS.clear()
+    privacy = dict(privacy=Privacy(epsilon=2.0, delta=1e-5, clip=1.0, public_sizes=50))
+    jax.config.update("jax_log_compiles", True)
+    try:
+        with caplog.at_level(logging.WARNING, logger="jax"):
+            first = budget_fit(**privacy)
+    finally:
+        jax.config.update("jax_log_compiles", False)
+    compiled = [r.getMessage().split("jit(")[1].split(")")[0] for r in caplog.records
+                if r.getMessage().startswith("Finished XLA compilation of jit(")]
+    assert ahead == [1]
+    assert compiled.count("round_step") == 1 and compiled.count("initial_state") == 1, compiled
+    COMPILE_EVENTS.clear()
+    second = budget_fit(**privacy)
+    assert ahead == [1] and COMPILE_EVENTS == []  # memoised: no thread, nothing compiled
+    np.testing.assert_array_equal(np.asarray(first.q.eta1), np.asarray(second.q.eta1))
+    np.testing.assert_array_equal(np.asarray(first.q.eta2), np.asarray(second.q.eta2))
+    assert first.privacy == second.privacy and first.privacy.epsilon.hex() == second.privacy.epsilon.hex()
+    assert first.config == second.config
+
+
+def test_a_budget_the_accountant_cannot_meet_fails_while_compiling():
+    """The accountant's error reaches the caller (the compilation on the other thread is left to end)."""
+    from numpyro_dppvi.privacy import calibration
+
+    calibration.clear_memo()
+    with pytest.raises(ValueError, match="noise multiplier above"):
+        budget_fit(privacy=Privacy(epsilon=1e-7, delta=1e-5, clip=1.0, public_sizes=50))
