@@ -26,7 +26,8 @@ a correlated regression.)
 whose first ``r`` columns span ``B``), rebases every Gaussian of the state and every change into ``B+``
 (exact: each lies in its span), adds the damped changes, and truncates: the eigenvectors ``V_r`` of ``q``'s core in
 ``B+`` with the ``r`` largest ``|gamma|`` give ``B' = B+ V_r``, and everything is rebased to ``B'``
-(:func:`rebase`: keeps each Gaussian's diagonal, projects its core). The rebase is linear and applied to every
+(:func:`rebase`: projects each Gaussian's core onto ``span B'`` and moves its complement block to the diagonal,
+positive semi-definite in, positive semi-definite out). The rebase is linear and applied to every
 Gaussian alike, so ``q`` stays the exact product of its factors; what the truncation drops from ``q`` (its
 share of ``q``'s core, ``||gamma_dropped|| / ||gamma||``) is reported per round as ``low_rank_truncation``, and each Gaussian's
 ``eta1`` moves with its precision so that ``q``'s mean is kept (:func:`truncate_tree`). A
@@ -37,11 +38,13 @@ synchronous rounds give sds 0.997-1.008x the exact ones (mean-field about 0.35x)
 default) 0.93-1.15x (each arrival truncates the other factors anew); the means are exact (under 1e-3 sd) in
 both, since the truncation keeps ``q``'s mean (:func:`truncate_tree`). Synchronous rounds need damping of about
 ``1/M`` here as elsewhere: at damping 1 an AR(1) model's split in time made a cavity improper in round 2.
-**Properness is not guaranteed**: the truncation keeps ``q`` proper when every factor's low-rank part is
-positive semi-definite, but a cavity ``q / t_m`` can lose it (each factor's truncated part moves to its own
-diagonal, which may then fall), and so can a client's answer whose split's diagonal is negative; such a round is
-invalid and the fit stops with :class:`FitDiverged` (NumPyro's Hilbert-space GP example in round 3, a
-zero-inflated Poisson regression in round 1), whose advice names a higher rank or ``family="full_rank"``.
+**Properness** (non-private fits): every client factor is positive semi-definite by construction (its split's
+diagonal is floored at 0, :func:`answer`; its core is), the rebase keeps it so, and damping mixes such factors;
+so ``q`` and every cavity hold at least the prior's precision and stay proper. The floor is the family's
+constraint: where a client's curvature is negative on a coordinate (a likelihood that is not log-concave there),
+its factor keeps none of that coordinate's precision instead of removing some. Before it (the diagonal kept
+exactly, also by the rebase), NumPyro's Hilbert-space GP example stopped with :class:`FitDiverged` in round 3
+and a zero-inflated Poisson regression in round 1-2; with it both fit (``benchmarks/fidelity.py``).
 
 **DP optimisation** moves ``(mu, log s, W)`` with the precision ``S^{-1} (I + W W^T) S^{-1}``
 (:func:`~numpyro_dppvi.factors.to_params`; :class:`~.local.DPOptimisation`): ``2 D + D r`` noise coordinates per
@@ -82,17 +85,23 @@ def _diag_of(basis, core):
 def rebase(g: Gaussian, basis: jax.Array) -> Gaussian:
     """``g`` (low-rank, possibly stacked on leading axes) in the orthonormal ``basis`` ``B'`` ``[D, k']``:
 
-        X' = B'^T U X U^T B',      a' = a + diag(U X U^T) - diag(B' X' B'^T)
+        X' = B'^T U X U^T B',      a' = a + diag((I - P) U X U^T (I - P)),      P = B' B'^T
 
-    (``U``, ``X``, ``a``: ``g``'s basis, core and diagonal). The diagonal of ``eta2`` is kept and its core is
-    projected onto ``span B'``: exact (``eta2`` unchanged) when ``span U`` lies in ``span B'``. Linear in
-    ``(a, X)`` for given ``U`` and ``B'``."""
+    (``U``, ``X``, ``a``: ``g``'s basis, core and diagonal): the core's block in ``span B'`` is kept, its block in
+    the complement moves to the diagonal, and the cross blocks ``P U X U^T (I - P) + transpose`` are dropped.
+    Exact (``eta2`` unchanged) when ``span U`` lies in ``span B'``. Linear in ``(a, X)`` for given ``U`` and
+    ``B'``, and it keeps a semi-definite precision semi-definite (each kept part is), so that a sum of
+    positive semi-definite factors stays one. (Keeping the diagonal of ``eta2`` instead, as an earlier version did,
+    moved the cross blocks' diagonal onto it, which can be negative: cavities of a zero-inflated Poisson
+    regression and of NumPyro's Hilbert-space GP lost their properness in rounds 2-3.)"""
     low = g.eta2
     w = jnp.einsum("di,...dj->...ij", basis, low.basis)  # B'^T U
     core = w @ low.core @ jnp.swapaxes(w, -1, -2)
     core = 0.5 * (core + jnp.swapaxes(core, -1, -2))
     target = jnp.broadcast_to(basis, low.basis.shape[:-2] + basis.shape)
-    diag = low.diag + _diag_of(low.basis, low.core) - _diag_of(target, core)
+    # the part of U X U^T outside span B' (its complement block (I - P) U X U^T (I - P)) moves to the diagonal
+    outside = low.basis - jnp.einsum("di,...ij->...dj", basis, w)  # (I - B' B'^T) U
+    diag = low.diag + _diag_of(outside, low.core)
     return Gaussian(g.eta1, LowRank(diag, core, target))
 
 
@@ -111,36 +120,41 @@ def _top(values, vectors, rank: int, signed: bool):
     return jnp.maximum(values[-rank:], 0.0), vectors[:, -rank:]
 
 
-def diagonal_plus_low_rank(precision: jax.Array, rank: int, iterations: int = 30, signed: bool = False):
-    """``(d, S, V)`` with ``precision ~ diag(d) + V diag(S) V^T``, ``V`` ``[D, r]`` orthonormal, and the diagonal
-    exact: alternating projections (factor analysis' principal-axis iteration): ``d = diag(T - V S V^T)``, then
-    ``V, S`` the ``r`` largest eigenpairs of ``T - diag(d)`` (``S >= 0``: negative eigenvalues set to 0; ``signed``:
-    the ``r`` largest in absolute value, for a change, which may remove precision). Exact when ``T`` is diagonal
-    plus a rank ``r`` term of that kind, after the iteration has converged. The diagonal may come out negative
-    (a zero-inflated Poisson regression, ``D = 10``, ``r = 3``: the client's answer was improper and the fit
-    stopped in round 1)."""
+def diagonal_plus_low_rank(precision: jax.Array, rank: int, iterations: int = 30, signed: bool = False,
+                           floor=None):
+    """``(d, S, V)`` with ``precision ~ diag(d) + V diag(S) V^T``, ``V`` ``[D, r]`` orthonormal: alternating
+    projections (factor analysis' principal-axis iteration): ``d = max(diag(T - V S V^T), floor)``, then ``V, S``
+    the ``r`` largest eigenpairs of ``T - diag(d)`` (``S >= 0``: negative eigenvalues set to 0; ``signed``: the
+    ``r`` largest in absolute value, for a change, which may remove precision). The diagonal is exact where it
+    stays above ``floor`` (default: none); exact when ``T`` is diagonal plus a rank ``r`` term of that kind, after
+    the iteration has converged. ``floor = 0`` makes the result positive semi-definite (factor analysis' Heywood
+    constraint): without it a client's diagonal came out at -120 on a zero-inflated Poisson regression
+    (``D = 10``, ``r = 3``), compensated by ``V S V^T``, and the fit stopped in round 1."""
     sym = 0.5 * (precision + precision.T)
+    floor = -jnp.inf if floor is None else floor
 
     def step(low, _):
-        d = jnp.diagonal(sym - low)
+        d = jnp.maximum(jnp.diagonal(sym - low), floor)
         values, vectors = _top(*jnp.linalg.eigh(sym - jnp.diag(d)), rank, signed)
         return (vectors * values) @ vectors.T, None
 
     low, _ = jax.lax.scan(step, jnp.zeros_like(sym), None, length=iterations)
-    d = jnp.diagonal(sym - low)
+    d = jnp.maximum(jnp.diagonal(sym - low), floor)
     values, vectors = _top(*jnp.linalg.eigh(low), rank, signed)
     return d, values, vectors
 
 
 def answer(q: Gaussian, cavity: Gaussian, q_dense_new: Gaussian, rank: int) -> Gaussian:
     """A client's new ``q`` in the family: the cavity times its new factor, whose precision ``T = Lambda_new -
-    Lambda_cavity`` (dense) is replaced by :func:`diagonal_plus_low_rank` (the diagonal kept, the rest a rank-``r``
-    positive semi-definite term in the client's own directions ``V``), in the basis ``[B, V]`` with the core
+    Lambda_cavity`` (dense) is replaced by :func:`diagonal_plus_low_rank` with ``floor = 0`` (a positive
+    semi-definite factor: the diagonal kept where it is not negative, the rest a rank-``r`` positive semi-definite
+    term in the client's own directions ``V``), in the basis ``[B, V]`` with the core
     ``blockdiag(X_cavity, -S / 2)``; ``eta1 = Lambda' mu_new`` keeps the Newton steps' mean (``eta1`` kept whole with
     a truncated precision moved the mean by up to a posterior sd). The first ``r`` columns of the basis are ``q``'s ``B``."""
     low = cavity.eta2
     dense_cavity = low.dense()
-    d, values, vectors = diagonal_plus_low_rank(-2.0 * (q_dense_new.eta2 - dense_cavity), rank)
+    target = -2.0 * (q_dense_new.eta2 - dense_cavity)
+    d, values, vectors = diagonal_plus_low_rank(target, rank, floor=jnp.zeros_like(low.diag))
     zero = jnp.zeros((low.core.shape[-1], rank), low.core.dtype)
     block = jnp.block([[low.core, zero], [zero.T, jnp.diag(-0.5 * values)]])
     eta2 = LowRank(low.diag - 0.5 * d, block, jnp.concatenate([low.basis, vectors], axis=-1))
