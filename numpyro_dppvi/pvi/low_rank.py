@@ -14,10 +14,10 @@ covariates correlated alike give a likelihood curvature ``alpha I + beta 1 1^T``
 **The local step.** A client takes the full-rank Newton steps of :mod:`.full_rank` from ``q`` against its
 cavity (formed densely: ``O(D^2)`` memory and ``O(D^3)`` per step, as full-rank, for now), and replaces its new
 factor's precision ``T = Lambda_new - Lambda_cavity`` by :func:`diagonal_plus_low_rank`: the diagonal kept
-exactly, the rest a positive semi-definite rank-``r`` term in the client's own directions ``V`` (the answer lives
-in the basis ``[B, V]``, :func:`answer`); the new ``q``'s mean is the Newton steps' mean. A log-concave
-likelihood has a positive semi-definite curvature, so every factor's core is too, ``q``'s core is, and the
-truncation below only moves positive mass onto the diagonal: ``q`` stays proper. (The Frobenius projection of
+exactly where it is not negative (floored at 0), the rest a positive semi-definite rank-``r`` term in the client's
+own directions ``V`` (the answer lives in the basis ``[B, V]``, :func:`answer`); the new ``q``'s mean is the Newton
+steps' mean. Every factor is positive semi-definite, and the truncation below keeps it so: ``q`` and every cavity
+stay proper (**Properness** below). (The Frobenius projection of
 the change onto ``F_B = {diag(x) + B X B^T + E B^T + B E^T}`` was tried first as the local step and rejected: its
 cross term ``E B^T + B E^T`` is indefinite, and truncating half of it made ``q`` improper in the first round of
 a correlated regression.)
