@@ -1,0 +1,151 @@
+"""Plots of what is particular to a private federated fit (matplotlib, an optional extra: ``pip install
+numpyro_dppvi[examples]``).
+
+ArviZ's conventions: each function takes a result (or several), draws on ``ax`` (a new figure's axes when
+omitted) and returns the axes. Everything drawn is public: the history, the ledger and the results' configs
+(what a saved result holds).
+
+* :func:`plot_epsilon`: each client's epsilon against the rounds, recomputed from the ledger and the history;
+* :func:`plot_convergence`: the history's ``change`` (the largest step of ``q`` in posterior sds) per round;
+* :func:`plot_privacy_utility`: a metric of the last round (e.g. test ``accuracy``, with ``eval_data``) against
+  the ledger's epsilon, over fits at several budgets.
+"""
+
+from __future__ import annotations
+
+from typing import Sequence
+
+import numpy as np
+
+from .privacy import backends
+from .privacy.events import merge_events
+
+
+def _axes(ax):
+    if ax is not None:
+        return ax
+    try:
+        import matplotlib.pyplot as plt
+    except ImportError as exc:  # pragma: no cover - depends on the installation
+        raise ImportError("numpyro_dppvi.plots needs matplotlib: pip install 'numpyro_dppvi[examples]'") from exc
+    return plt.subplots()[1]
+
+
+def participations_per_round(result) -> np.ndarray:
+    """``[rounds, M]`` int: how many participations each client had been charged by the end of each round.
+
+    From the history's ``participated`` flags; a client-level fit publishes none (its client sample is private)
+    and charges every client every round (each may have been sampled). An asynchronous round lists its
+    ``arrivals`` (a client may arrive more than once), and an arrival past a client's budget is not charged: each
+    client's participations are its ledger releases over the releases of one participation (all releases over all
+    ``communications``), and the arrivals are charged in order up to them."""
+    ledger = result.privacy
+    m = ledger.num_clients
+    if not result.history:
+        return np.zeros((0, m), np.int64)
+    if "arrivals" in result.history[0]:
+        releases = np.array([ledger.num_releases(j) for j in range(m)])
+        per_participation = releases.sum() / max(int(result.history[-1]["communications"]), 1)
+        allowed = np.rint(releases / per_participation).astype(np.int64)
+        charged, rows = np.zeros(m, np.int64), []
+        for entry in result.history:
+            for j in np.asarray(entry["arrivals"], np.int64).reshape(-1):
+                if charged[j] < allowed[j]:
+                    charged[j] += 1
+            rows.append(charged.copy())
+        return np.stack(rows)
+    rows = [np.asarray(entry["participated"], np.int64).reshape(-1) if "participated" in entry
+            else np.ones(m, np.int64) for entry in result.history]
+    return np.cumsum(np.stack(rows), axis=0)
+
+
+def epsilon_per_round(result) -> np.ndarray:
+    """``[rounds, M]``: each client's epsilon (at the ledger's delta, with its accountant) after each round.
+
+    A client's ``K`` participations charge its merged events equally (each participation is the plan's event),
+    so after ``k`` of them its events are the ledger's with every count scaled by ``k / K``; the last row equals
+    :attr:`~numpyro_dppvi.privacy.PrivacyLedger.epsilon_per_client`. Raises when the counts do not split evenly
+    (a ledger not written by one fit's rounds)."""
+    ledger = result.privacy
+    if not ledger:
+        raise ValueError("the result has no privacy ledger (a non-private fit): there is no epsilon to plot")
+    counts = participations_per_round(result)
+    out = np.zeros(counts.shape, np.float64)
+    memo: dict = {}
+    for m in range(ledger.num_clients):
+        events = ledger.events(m)
+        total = int(counts[-1, m]) if len(counts) else 0
+        if not events:
+            continue
+        if total == 0:
+            raise ValueError(f"client {m} has releases in the ledger but no participation in the history")
+        for r, k in enumerate(counts[:, m]):
+            scaled = []
+            for e in events:
+                if (e.count * int(k)) % total:
+                    raise ValueError(f"client {m}'s {e.count} releases do not split over its {total} participations")
+                if k:
+                    scaled.append(e.with_count(e.count * int(k) // total))
+            key = tuple(sorted(e.mechanism + (e.count,) for e in scaled))
+            if key not in memo:
+                memo[key] = 0.0 if not scaled else backends.epsilon(
+                    merge_events(scaled), ledger.delta, ledger.neighbouring, ledger.accountant)
+            out[r, m] = memo[key]
+    return out
+
+
+def plot_epsilon(result, ax=None, clients: Sequence[int] | None = None):
+    """Each client's epsilon against the rounds (:func:`epsilon_per_round`), with the budget the fit was
+    calibrated to (``config["privacy"]["epsilon"]``) as a dashed line. ``clients``: which to draw (default all)."""
+    ax = _axes(ax)
+    eps = epsilon_per_round(result)
+    rounds = np.arange(1, eps.shape[0] + 1)
+    for m in range(eps.shape[1]) if clients is None else clients:
+        ax.plot(rounds, eps[:, m], marker=".", label=f"client {m}")
+    budget = ((result.config or {}).get("privacy") or {}).get("epsilon")
+    if budget is not None:
+        ax.axhline(budget, linestyle="--", color="grey", label=f"budget {budget:g}")
+    ax.set_xlabel("round")
+    ax.set_ylabel(f"epsilon (delta = {result.privacy.delta:.2g})")
+    ax.legend(fontsize="small")
+    return ax
+
+
+def plot_convergence(results, ax=None, labels: Sequence[str] | None = None):
+    """The history's ``change`` per round (the largest step of any coordinate of ``q``, in posterior sds; log
+    scale) of one result or several, side by side."""
+    ax = _axes(ax)
+    results = list(results) if isinstance(results, (list, tuple)) else [results]
+    for i, result in enumerate(results):
+        changes = [(e["round"], e["change"]) for e in result.history if e.get("change") is not None]
+        if not changes:
+            raise ValueError(f"result {i} has no per-round 'change' in its history (a one-round committee?)")
+        rounds, values = zip(*changes)
+        ax.plot(rounds, values, marker=".", label=None if labels is None else labels[i])
+    ax.set_yscale("log")
+    ax.set_xlabel("round")
+    ax.set_ylabel("largest change of q (posterior sd)")
+    if labels is not None:
+        ax.legend(fontsize="small")
+    return ax
+
+
+def plot_privacy_utility(results, metric: str = "accuracy", ax=None, label: str | None = None):
+    """A metric of each fit's last round (``history[-1][metric]``, e.g. ``accuracy`` or ``log_lik`` of fits run
+    with ``eval_data``) against its ledger's epsilon, over fits at several budgets: the privacy/utility curve."""
+    ax = _axes(ax)
+    points = []
+    for i, result in enumerate(results):
+        if not result.privacy:
+            raise ValueError(f"result {i} is not private: its epsilon is not defined")
+        if not result.history or metric not in result.history[-1]:
+            raise ValueError(f"result {i}'s last round has no {metric!r}: fit with eval_data=... to record it")
+        points.append((result.privacy.epsilon, result.history[-1][metric]))
+    points.sort()
+    ax.plot(*zip(*points), marker="o", label=label)
+    ax.set_xscale("log")
+    ax.set_xlabel("epsilon")
+    ax.set_ylabel(metric)
+    if label is not None:
+        ax.legend(fontsize="small")
+    return ax
