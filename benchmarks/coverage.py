@@ -90,16 +90,20 @@ CLIPPING = {
 }
 
 
-def fit_logistic(method: str, epsilon, x, y, index: int, clipping: str = "default"):
+def fit_logistic(method: str, epsilon, x, y, index: int, clipping: str = "default", noise_aware=None):
+    """One fit of a cell; ``noise_aware``: the library's default (None) or ``False`` (q as fitted)."""
     clients = dppvi.partition((x, y), num_clients=CLIENTS, seed=index)
     key = jax.random.key(index)
     privacy = None if epsilon is None else dppvi.Privacy(epsilon=float(epsilon), delta=DELTA, **CLIPPING[clipping])
     if method == "pvi":
         return dppvi.fit_dppvi(logistic_regression, clients, rng_key=key)
+    aware = {} if noise_aware is None else {"noise_aware": noise_aware}
     if method == "dp_global_vi":
-        return dppvi.fit_global_vi(logistic_regression, clients, privacy=privacy, batch_size=100, rng_key=key)
+        return dppvi.fit_global_vi(logistic_regression, clients, privacy=privacy, batch_size=100, rng_key=key,
+                                   **aware)
     extra = {"batch_size": 100} if method == "dp_optimisation" else {}
-    return dppvi.fit_dppvi(logistic_regression, clients, method=method, privacy=privacy, rng_key=key, **extra)
+    return dppvi.fit_dppvi(logistic_regression, clients, method=method, privacy=privacy, rng_key=key, **extra,
+                           **aware)
 
 
 def vips_data(index: int, n: int):
@@ -110,12 +114,13 @@ def vips_data(index: int, n: int):
     return x, y, w
 
 
-def fit_vips_linear(epsilon, x, y, index: int):
+def fit_vips_linear(epsilon, x, y, index: int, noise_aware=None):
     model = BayesianLinearRegression(COVARIATES, 1.0, feature_bound=3.0 * np.sqrt(COVARIATES), target_bound=10.0)
     privacy = None if epsilon is None else dppvi.Privacy(epsilon=float(epsilon), delta=DELTA)
-    result = dppvi.fit_vips(model, (x, y), privacy=privacy, batch_size=200, rng_key=jax.random.key(index))
+    aware = {} if noise_aware is None or privacy is None else {"noise_aware": noise_aware}
+    result = dppvi.fit_vips(model, (x, y), privacy=privacy, batch_size=200, rng_key=jax.random.key(index), **aware)
     mean, cov = gaussian_moments(result.params["eta"], result.params["precision"])
-    return np.asarray(mean), np.sqrt(np.diag(np.asarray(cov)))
+    return np.asarray(mean), np.sqrt(np.diag(np.asarray(cov))), bool(getattr(result, "noise_aware", False))
 
 
 def summarise(z: list, errors: list, scales: list, diverged: int, warned: int, seconds: float, count: int) -> dict:
@@ -134,19 +139,22 @@ def summarise(z: list, errors: list, scales: list, diverged: int, warned: int, s
     return out
 
 
-def run_cell(method: str, epsilon, n: int, count: int, clipping: str = "default") -> dict:
+def run_cell(method: str, epsilon, n: int, count: int, clipping: str = "default", noise_aware=None) -> dict:
     z, errors, scales, diverged, warned = [], [], [], 0, 0
     start = time.perf_counter()
+    applied = None
     for index in range(count):
         try:
             with warnings.catch_warnings(record=True) as caught:
                 warnings.simplefilter("always")
                 if method == "vips_linear":
                     x, y, truth = vips_data(index, n)
-                    loc, scale = fit_vips_linear(epsilon, x, y, index)
+                    loc, scale, applied = fit_vips_linear(epsilon, x, y, index, noise_aware)
                 else:
                     x, y, truth = logistic_data(index, n)
-                    loc, scale = loc_and_scale(fit_logistic(method, epsilon, x, y, index, clipping))
+                    result = fit_logistic(method, epsilon, x, y, index, clipping, noise_aware)
+                    applied = result.noise_aware
+                    loc, scale = loc_and_scale(result)
         except dppvi.FitDiverged:
             diverged += 1
             continue
@@ -155,7 +163,7 @@ def run_cell(method: str, epsilon, n: int, count: int, clipping: str = "default"
         errors.append(loc - truth)
         scales.append(scale)
     return dict(method=method, epsilon=epsilon, n=n, **({} if clipping == "default" else {"clipping": clipping}),
-                **summarise(z, errors, scales, diverged, warned, time.perf_counter() - start, count))
+                noise_aware=applied, **summarise(z, errors, scales, diverged, warned, time.perf_counter() - start, count))
 
 
 def cells(methods) -> list[tuple]:
@@ -215,15 +223,20 @@ def main(argv=None) -> dict:
     parser.add_argument("--clipping", nargs="*", default=["default"], choices=list(CLIPPING),
                         help="clippings of dp_optimisation and dp_global_vi to measure (others: the default only)")
     parser.add_argument("--out", default=None, help="folder of the JSON (default: see benchmarks/_common.py)")
+    parser.add_argument("--modes", nargs="*", default=["default", "off"], choices=["default", "off"],
+                        help="the library's default (noise-aware where available) and noise_aware=False")
     args = parser.parse_args(argv)
     rows = []
     for method, epsilon, n in cells([c for c in args.cells if c != "adult"]):
         private_sgd = method in ("dp_optimisation", "dp_global_vi")
+        modes = ["default"] if epsilon is None else args.modes
         for clipping in (args.clipping if private_sgd else ["default"]):
-            row = run_cell(method, epsilon, n, args.datasets, clipping)
-            rows.append(row)
-            print({k: v for k, v in row.items() if not k.endswith("_in_bar")}, flush=True)
-    result = {"noise_aware": False, "note": "q as fitted: no noise-aware step exists yet (issue 23)",
+            for mode in modes:
+                row = run_cell(method, epsilon, n, args.datasets, clipping, None if mode == "default" else False)
+                rows.append(row)
+                print({k: v for k, v in row.items() if not k.endswith("_in_bar")}, flush=True)
+    result = {"note": "each private cell with the defaults (noise_aware as the fit applied it) and with "
+                      "noise_aware=False; 'noise_aware' in a row says whether the fit's q was noise-aware",
               "bars": BARS, "cells": rows}
     if "adult" in args.cells:
         result["adult"] = adult_calibration()

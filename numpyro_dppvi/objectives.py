@@ -244,3 +244,69 @@ def _per_example_low_rank_grads(log_lik_row, params: dict, eps: jax.Array, rows:
     u, pullback = jax.vjp(lambda p: factors.low_rank_draw_map(p, eps), params)
     grads = jax.vmap(lambda row: jax.vmap(jax.grad(row_fn), in_axes=(0, None))(u, row))(rows)  # [B, S, D]
     return jax.vmap(lambda g: pullback(g / eps.shape[0])[0])(grads)
+
+
+
+def antithetic_pairs(key, pairs: int, dim: int) -> jax.Array:
+    """``[2 P, D]`` draws ``[eps_1, ..., eps_P, -eps_1, ..., -eps_P]`` (the layout of :func:`standard_draws`)."""
+    half = jax.random.normal(key, (pairs, dim))
+    return jnp.concatenate([half, -half], axis=0)
+
+
+def probe_scale(params: dict) -> jax.Array:
+    """The root mean square of the marginal sds of ``q`` (mean-field ``s``; full-rank ``sqrt(diag L L^T)``;
+    low-rank from its draw map), a scalar: the public scale of the curvature block of a pair release."""
+    if "offdiag" in params:
+        variances = jnp.sum(jnp.square(factors.scale_tril(params)), axis=-1)
+    elif "factor" in params:
+        variances = jnp.diagonal(factors.low_rank_covariance(params))
+    else:
+        variances = jnp.exp(2.0 * params["log_scale"])
+    return jnp.sqrt(jnp.mean(variances))
+
+
+def per_example_pair_grads(log_lik_row, params: dict, eps: jax.Array, rows: tuple, curvature_weight,
+                           blocks: tuple[int, ...] | None = None) -> jax.Array:
+    """The per-example vector DP optimisation clips and noises: for each antithetic pair ``p`` of draws
+    ``u_p^+-`` of ``q`` (``eps = [e, -e]``, :func:`antithetic_pairs`), with ``G^+-_ip = grad_u log p(x_i |
+    u_p^+-)``, the pair's mean and its scaled half-difference,
+
+        m_ip = (G^+_ip + G^-_ip) / 2,       h_ip = kappa (G^+_ip - G^-_ip) / (2 sigma),
+
+    ``sigma`` the root mean square of ``q``'s marginal sds (:func:`probe_scale`) and ``kappa`` = ``curvature_weight``, stacked as
+    ``[B, 2, P, D] / sqrt(P)``. ``h_ip`` is about ``kappa H_i (L e_p) / sigma``, a Hessian-vector product of
+    the row's log-likelihood in units of ``q``'s sds (one scalar ``sigma`` for all coordinates: a coordinate's own
+    sd would divide the other coordinates' curvature through it by it, unbounded where ``q``'s sds differ): scaling this block by the public ``kappa / sigma``
+    before the joint clip (per-block scaling) gives the curvature a share of the clip norm on the scale of
+    the gradient's, where the plain per-draw gradients carry it as a difference ``O(sigma)`` of terms ``O(1)``
+    and their noise would swamp it by ``1 / sigma``. Every ``G^+-`` is a linear function of ``(m, h)``
+    (:func:`draw_sums_from_pair_sums`), so all gradients and estimates are post-processing of the release.
+    ``blocks``: as :func:`per_example_log_lik_grads`."""
+    row_fn = _row_function(log_lik_row, blocks)
+    u = draws(params, eps)
+    grads = jax.vmap(lambda row: jax.vmap(jax.grad(row_fn), in_axes=(0, None))(u, row))(rows)  # [B, 2P, D]
+    pairs = eps.shape[0] // 2
+    plus, minus = grads[:, :pairs], grads[:, pairs:]
+    scale = curvature_weight / (2.0 * probe_scale(params))
+    stacked = jnp.stack([0.5 * (plus + minus), (plus - minus) * scale], axis=1)  # [B, 2, P, D]
+    return stacked / jnp.sqrt(jnp.asarray(pairs, grads.dtype))
+
+
+def draw_sums_from_pair_sums(params: dict, pair_sums: jax.Array, curvature_weight) -> jax.Array:
+    """Inverse of the stacking of :func:`per_example_pair_grads` applied to a sum over rows: from ``[2, P, D]``
+    (scaled by ``sqrt(P)``) back to the per-draw sums ``[2 P, D]`` in the layout of the draws
+    (``G^+- = m +- sigma h / kappa``)."""
+    pairs = pair_sums.shape[1]
+    mean, diff = pair_sums[0] * jnp.sqrt(jnp.asarray(pairs, pair_sums.dtype)), pair_sums[1] * jnp.sqrt(
+        jnp.asarray(pairs, pair_sums.dtype))
+    half = diff * probe_scale(params) / curvature_weight
+    return jnp.concatenate([mean + half, mean - half], axis=0)
+
+
+def data_gradients_from_draw_sums(params: dict, eps: jax.Array, draw_sums: jax.Array) -> dict:
+    """The gradient in the variational parameters of ``sum_i E_q[log p(x_i | theta)]`` from estimated per-draw
+    sums ``draw_sums[s] = sum_i G_is`` (``[S, D]``): the vector-Jacobian product of the draw map with
+    ``draw_sums / S`` (mean-field: ``d/dmu = mean_s G_s``, ``d/dlog s = s mean_s G_s eps_s``; full-rank and
+    low-rank the same chain rule, as in :func:`per_example_log_lik_grads`). Post-processing only."""
+    _, pullback = jax.vjp(lambda p: draws(p, eps), params)
+    return pullback(draw_sums / eps.shape[0])[0]

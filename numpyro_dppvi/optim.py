@@ -129,3 +129,20 @@ class Newton:
         if not 0.0 < self.precision_step <= 0.5:
             raise ValueError(f"precision_step must lie in (0, 0.5] (the mean's Newton step then never "
                              f"overshoots), got {self.precision_step}")
+
+
+@dataclass(frozen=True)
+class PrivateNewton:
+    """The local steps of DP optimisation by default (``family`` mean-field or full-rank): every step moves ``q``
+    a fraction ``step`` of the way (in natural parameters) to the Newton answer of the client's likelihood factor
+    estimated from its releases so far (:mod:`numpyro_dppvi.pvi.noise_aware`): the information and curvature of
+    every step are averaged, so the steps follow the running estimate rather than each step's noise, and a
+    target that is not a proper Gaussian is not taken (the coordinate, or a full-rank ``q``, stays). Not an optax
+    transformation: the step reads the releases' curvature, which gradients do not carry. Post-processing of the
+    releases, as every optimiser step of DP-SGD."""
+
+    step: float = 0.5
+
+    def __post_init__(self):
+        if not 0.0 < self.step <= 1.0:
+            raise ValueError(f"step must lie in (0, 1], got {self.step}")

@@ -180,7 +180,9 @@ def load(path, model=None, hmac_key: bytes | None = None, **options) -> Result:
 class DPPVIResult(Result):
     """What ``fit_dppvi`` / ``fit_global_vi`` / ``fit_bcm`` return.
 
-    Attributes: ``q`` (the posterior, natural parameters), ``history`` (one dict per round: round,
+    Attributes: ``q`` (the posterior, natural parameters: for a noise-aware private fit, ``config["noise_aware"]``,
+    the fitted ``q`` widened by the uncertainty the privacy noise leaves in it, :mod:`numpyro_dppvi.pvi.noise_aware`),
+    ``q_fitted`` (``q`` as fitted, before that step; ``q`` itself otherwise), ``history`` (one dict per round: round,
     communications, participation, seconds, held-out metrics, counts of invalid or failed updates),
     ``privacy`` (the :class:`~numpyro_dppvi.privacy.PrivacyLedger`, or
     :class:`~numpyro_dppvi.privacy.NotPrivate`), ``method``, ``schedule``, ``config`` (the
@@ -194,9 +196,10 @@ class DPPVIResult(Result):
 
     def __init__(self, adapter: ModelAdapter, q: factors.Gaussian, history: list, method: str,
                  schedule: str | None, privacy=None, config: dict | None = None, rounds: int = 0,
-                 convergence: dict | None = None):
+                 convergence: dict | None = None, q_fitted: factors.Gaussian | None = None):
         self.adapter = adapter
         self.q = jax.tree.map(np.asarray, q)
+        self.q_fitted = self.q if q_fitted is None or q_fitted is q else jax.tree.map(np.asarray, q_fitted)
         self.history = history
         self.method = method
         self.schedule = schedule
@@ -206,14 +209,23 @@ class DPPVIResult(Result):
         self.convergence = convergence
         self.updates = None
 
+    @property
+    def noise_aware(self) -> bool:
+        """Whether ``q`` accounts for the uncertainty the privacy noise adds (:mod:`numpyro_dppvi.pvi.noise_aware`)."""
+        return bool(self.config.get("noise_aware", False))
+
     def summary(self, num_samples: int = 1000, rng_key=None, **kwargs):
         """``arviz.summary`` of :meth:`to_arviz`, with a ``family`` column (the Gaussian family of ``q``:
-        ``mean_field`` under-states the sds of correlated posteriors), the fit's convergence
+        ``mean_field`` under-states the sds of correlated posteriors), a ``noise_aware`` column for a private fit
+        (whether the sds include the uncertainty the privacy noise adds), the fit's convergence
         (``result.convergence``) in the table's ``attrs`` and, when it is known, a ``converged`` column
         (the same for every row: PVI converges as a whole)."""
         table = super().summary(num_samples, rng_key, **kwargs)
         table["family"] = self.family
         table.attrs["family"] = self.family
+        if self.is_private:
+            table["noise_aware"] = self.noise_aware
+            table.attrs["noise_aware"] = self.noise_aware
         if self.convergence is not None:
             table.attrs["convergence"] = dict(self.convergence)
             if self.convergence.get("converged") is not None:
@@ -298,7 +310,8 @@ class DPPVIResult(Result):
         file is authenticated (a file edited without the key is refused by :func:`load`); without,
         its checksum detects damage only.
         """
-        checkpoint.save(path, {"q": self.q}, self.public_meta(), hmac_key=hmac_key)
+        tree = {"q": self.q} if self.q_fitted is self.q else {"q": self.q, "q_fitted": self.q_fitted}
+        checkpoint.save(path, tree, self.public_meta(), hmac_key=hmac_key)
 
     @classmethod
     def from_saved(cls, arrays, meta, model, path="the file") -> "DPPVIResult":
@@ -309,11 +322,14 @@ class DPPVIResult(Result):
         if meta.get("format") != RESULT_FORMAT:
             raise ValueError(f"{path} does not hold a published DPPVIResult (format {RESULT_FORMAT})")
         adapter = ModelAdapter.for_shapes(model, meta["data_shapes"], meta["data_dtypes"])
-        if "['q'].eta2.basis" in arrays:  # low-rank: diagonal, core and the public basis
-            q = factors.Gaussian(arrays["['q'].eta1"], factors.LowRank(
-                *(arrays[f"['q'].eta2.{name}"] for name in factors.LowRank._fields)))
-        else:
-            q = factors.Gaussian(arrays["['q'].eta1"], arrays["['q'].eta2"])
+        def read(name):
+            if f"['{name}'].eta2.basis" in arrays:  # low-rank: diagonal, core and the public basis
+                return factors.Gaussian(arrays[f"['{name}'].eta1"], factors.LowRank(
+                    *(arrays[f"['{name}'].eta2.{field}"] for field in factors.LowRank._fields)))
+            return factors.Gaussian(arrays[f"['{name}'].eta1"], arrays[f"['{name}'].eta2"])
+
+        q = read("q")
+        q_fitted = read("q_fitted") if "['q_fitted'].eta1" in arrays else None
         privacy = None if meta.get("privacy") is None else PrivacyLedger.from_dict(meta["privacy"])
         return cls(adapter, q, meta["history"], meta["method"], meta["schedule"], privacy, meta["config"],
-                   meta.get("rounds", len(meta["history"])), meta.get("convergence"))
+                   meta.get("rounds", len(meta["history"])), meta.get("convergence"), q_fitted=q_fitted)

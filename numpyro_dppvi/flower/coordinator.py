@@ -29,7 +29,7 @@ import numpy as np
 
 from .. import checkpoint, factors
 from ..factors import Gaussian, LowRank
-from ..pvi import low_rank
+from ..pvi import low_rank, noise_aware
 from ..model_adapter import ModelAdapter
 from ..privacy import PrivacyLedger
 from ..results import DPPVIResult
@@ -57,6 +57,7 @@ class ClientRecord:
     ledger: dict | None = None  # the client's ledger as it last reported it (a mirror)
     participations: int = 0
     stopped: str = ""  # why it takes no further part in this fit ("" while active)
+    curvature: np.ndarray | None = None  # noise-aware DP optimisation: its factor's curvature, as it last reported
 
 
 @dataclass
@@ -172,6 +173,12 @@ class Coordinator:
         if factors.family_of(reply.delta) != self.settings.family or np.shape(reply.delta.eta1) != np.shape(self.q.eta1):
             log.dropped[client.index] = f"a {factors.family_of(reply.delta)} change of another shape than q's"
             return None
+        if reply.curvature is not None:
+            dim = np.shape(self.q.eta1)[0]
+            if np.shape(reply.curvature) != (dim, dim) or not np.all(np.isfinite(reply.curvature)):
+                log.dropped[client.index] = "a curvature that is not a finite [D, D] matrix"
+                return None
+            client.curvature = np.asarray(reply.curvature, np.float32)
         return as_numpy(reply.delta)
 
     def apply(self, changes: list[tuple[ClientRecord, Gaussian]]) -> None:
@@ -256,13 +263,22 @@ class Coordinator:
     def result(self) -> DPPVIResult:
         if self.adapter is None:
             raise RuntimeError("no client joined the fit, so there is no model signature and no result")
-        return DPPVIResult(self.adapter, self.q, list(self.history), method=self.method, schedule=self.schedule,
-                           privacy=self.privacy(), config=self.config(), rounds=self.round)
+        q, fitted = self.q, None
+        if self.settings.noise_aware:  # the fixed point of noise-aware factors; mean-field: its marginal variances
+            dim = np.shape(self.q.eta1)[0]
+            curvature = np.stack([c.curvature if c.curvature is not None else np.zeros((dim, dim), np.float32)
+                                  for c in self.clients])
+            q, fitted = as_numpy(noise_aware.posterior(self.q, {"factor_curvature": curvature})), self.q
+        return DPPVIResult(self.adapter, q, list(self.history), method=self.method, schedule=self.schedule,
+                           privacy=self.privacy(), config=self.config(), rounds=self.round, q_fitted=fitted)
 
     # -- checkpoint ----------------------------------------------------------------------------
     def save(self, path, hmac_key: bytes | None = None) -> None:
         """Write the server's **private** checkpoint (``q``, the factors, the clients, the history)."""
         tree = {"q": self.q, "factors": [c.factor for c in self.clients]}
+        reported = [j for j, c in enumerate(self.clients) if c.curvature is not None]
+        if reported:
+            tree["curvatures"] = {str(j): self.clients[j].curvature for j in reported}
         meta = {"kind": "FlowerServerCheckpoint", "format": CHECKPOINT_FORMAT, "fit_id": self.fit_id,
                 "model": self.model_ref, "method": self.method, "schedule": self.schedule,
                 "settings": self.settings.to_json(), "signature": [list(map(list, self.signature[0])),
@@ -284,8 +300,9 @@ class Coordinator:
         coord.start((tuple(tuple(s) for s in meta["signature"][0]), tuple(meta["signature"][1])))
         for j, info in enumerate(meta["clients"]):
             factor = saved_gaussian(arrays, f"['factors'][{j}]")
+            curvature = arrays.get(f"['curvatures']['{j}']")
             coord.clients.append(ClientRecord(info["client_id"], j, None, info["num_rows"], factor, info["ledger"],
-                                              info["participations"], info["stopped"]))
+                                              info["participations"], info["stopped"], curvature))
         coord.round, coord.communications, coord.history = meta["round"], meta["communications"], meta["history"]
         return coord
 

@@ -37,7 +37,7 @@ from ..privacy import Privacy
 from ..privacy.ledger import extra_mass
 from ..privacy.noise import float32_at_least
 from ..pvi.plan import model_adapter
-from ..optim import Newton, cvi
+from ..optim import Newton, PrivateNewton, cvi
 from ..pvi import low_rank
 from ..pvi.full_rank import NonPrivateFullRank
 from ..pvi.low_rank import NonPrivateLowRank
@@ -105,6 +105,8 @@ def optimizer(name: str, learning_rate: float) -> optax.GradientTransformation:
         return cvi(mean_optimizer=optax.adam(learning_rate))
     if name == "newton":  # full-rank non-private PVI: learning_rate is the precision step
         return Newton(precision_step=learning_rate)
+    if name == "private_newton":  # DP optimisation's default: learning_rate is the step towards the trace's answer
+        return PrivateNewton(step=learning_rate)
     return {"adam": optax.adam, "sgd": optax.sgd}[name](learning_rate)
 
 
@@ -152,7 +154,9 @@ def make_rule(method: str, adapter: ModelAdapter, settings: LocalSettings, plan:
         return DPOptimisation(a.log_lik_rows, a.dim, opt, settings.local_steps, settings.batch_size,
                               settings.num_samples, log_lik_row=a.log_lik_row_blocks, clip=p.clip,
                               sampling=p.sampling, max_batch=plan.max_batch, blocks=a.site_sizes, chunk=plan.chunk,
-                              average=settings.tail_average, family=settings.family, rank=rank)
+                              average=settings.tail_average, family=settings.family, rank=rank,
+                              damping=float(settings.damping), average_from=settings.planned_rounds // 2,
+                              noise_aware=bool(settings.noise_aware))
     cls = {"full_rank": NonPrivateFullRank, "low_rank": NonPrivateLowRank}.get(settings.family, NonPrivate)
     extra = {"rank": rank} if settings.family == "low_rank" else {}
     return cls(a.log_lik_rows, a.dim, opt, settings.local_steps, settings.batch_size, settings.num_samples,

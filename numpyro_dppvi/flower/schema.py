@@ -20,6 +20,9 @@ Client -> server, reply to ``train`` (:class:`Reply`):
 * ``"delta"``: ArrayRecord ``eta1``, ``eta2``, the change of the client's factor,
   ``delta = rho (eta(q_new) - eta(q))`` (zeros when it refused or its update was not finite); low-rank: in the
   wider basis ``[B, E]`` of the client's answer, which the server widens ``B`` by before adding;
+* ``"curvature"`` (noise-aware DP optimisation only): ArrayRecord ``curvature``, the full ``[D, D]`` curvature of
+  the client's factor as its releases estimate it (:mod:`numpyro_dppvi.pvi.noise_aware`; post-processing of its
+  releases), from which the server gives a mean-field ``q`` its noise-aware marginal variances;
 * ``"diagnostics"``: MetricRecord of data-free values only (``update_finite``, ``factor_in_sync`` (not for
   low rank, whose factors the server truncates),
   and for DP optimisation the data-free part of the last local loss);
@@ -47,8 +50,8 @@ from ..factors import Gaussian, LowRank
 from .settings import LocalSettings
 
 #: 2: LocalSettings.tail_average; 3: LocalSettings.family ([D, D] eta2); 4: family "low_rank" (eta2 as diag, core,
-#: basis) and LocalSettings.rank
-SCHEMA_VERSION = "numpyro_dppvi.flower/4"
+#: basis) and LocalSettings.rank; 5: LocalSettings.noise_aware and the reply's ``curvature``
+SCHEMA_VERSION = "numpyro_dppvi.flower/5"
 #: Message types: one local update; the introduction that maps a Flower node to a client.
 TRAIN = "train"
 HELLO = "query.hello"
@@ -85,6 +88,7 @@ class Reply:
     participations: int = 0
     ledger: dict | None = None
     diagnostics: dict = field(default_factory=dict)
+    curvature: np.ndarray | None = None
 
 
 @dataclass(frozen=True)
@@ -178,13 +182,16 @@ def encode_reply(reply: Reply) -> RecordDict:
     if r.status not in STATUSES:
         raise SchemaError(f"status {r.status!r} is not one of {STATUSES}")
     metrics = {k: float(v) for k, v in r.diagnostics.items()}
-    return RecordDict({
+    records = {
         "delta": _gaussian_record(r.delta),
         "diagnostics": MetricRecord(metrics),
         "status": ConfigRecord({"schema": SCHEMA_VERSION, "client_id": r.client_id, "status": r.status,
                                 "reason": r.reason, "detail": r.detail, "participations": int(r.participations),
                                 "ledger": _ledger_json(r.ledger)}),
-    })
+    }
+    if r.curvature is not None:
+        records["curvature"] = ArrayRecord({"curvature": Array(np.asarray(r.curvature, np.float32))})
+    return RecordDict(records)
 
 
 def decode_reply(records: RecordDict) -> Reply:
@@ -192,8 +199,14 @@ def decode_reply(records: RecordDict) -> Reply:
     if c["status"] not in STATUSES:
         raise SchemaError(f"status {c['status']!r} is not one of {STATUSES}")
     diagnostics = dict(_record(records, "diagnostics", MetricRecord))
+    curvature = None
+    if "curvature" in records:
+        record = _record(records, "curvature", ArrayRecord)
+        if "curvature" not in record:
+            raise SchemaError("array record 'curvature' lacks its array 'curvature'")
+        curvature = record["curvature"].numpy()
     return Reply(str(c["client_id"]), str(c["status"]), _gaussian(records, "delta"), str(c["reason"]),
-                 str(c["detail"]), int(c["participations"]), _ledger(c["ledger"]), diagnostics)
+                 str(c["detail"]), int(c["participations"]), _ledger(c["ledger"]), diagnostics, curvature)
 
 
 def encode_hello(hello: Hello) -> RecordDict:

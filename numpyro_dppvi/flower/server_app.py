@@ -5,7 +5,8 @@ Run configuration (flat keys, Flower's kebab case; defaults in :data:`RUN_CONFIG
 or ``"pvi"``), ``schedule``, ``rounds``, ``local-steps``, ``batch-size`` (0: the whole data),
 ``num-samples``, ``optimizer`` (``adam``, ``sgd`` or ``cvi``), ``learning-rate``, ``damping``, ``clip``,
 ``tail-average`` (share of the local iterates averaged, ``fit_dppvi``'s ``tail_average``); ``family`` (``mean_field``, ``full_rank`` or
-``low_rank``) and ``rank`` (low rank's ``r``, 0 for ``round(sqrt(D))``); ``round-timeout`` (seconds a round, or a sequential client, may take; also the messages' TTL), ``poll-interval``,
+``low_rank``) and ``rank`` (low rank's ``r``, 0 for ``round(sqrt(D))``); ``noise-aware`` (``"auto"``: on for DP
+optimisation with a mean-field or full-rank ``q``, as ``fit_dppvi``'s default; ``"true"`` or ``"false"``); ``round-timeout`` (seconds a round, or a sequential client, may take; also the messages' TTL), ``poll-interval``,
 ``min-clients`` and ``wait-for-clients`` (seconds to wait for them); ``results-dir`` (where the
 published result ``result.npz`` and ``progress.jsonl`` go), ``checkpoint`` (the server's private
 checkpoint, written after every round and resumed from when it exists; ``checkpoint-key-file``
@@ -36,7 +37,7 @@ RUN_CONFIG_DEFAULTS = {
     "optimizer": "adam", "learning-rate": 0.01, "damping": 0.5, "clip": 1.0, "round-timeout": 120.0,
     "poll-interval": 0.2, "min-clients": 1, "wait-for-clients": 60.0, "results-dir": "", "checkpoint": "",
     "checkpoint-key-file": "", "fit-id": "", "tail-average": 0.0, "family": "mean_field",
-    "rank": 0,
+    "rank": 0, "noise-aware": "auto",
 }
 
 
@@ -69,12 +70,17 @@ class ServerSettings:
         batch = int(config["batch-size"])
         if config["method"] == "dp_optimisation" and batch <= 0:
             raise SettingsError("method='dp_optimisation' needs batch-size > 0 (the expected DP-SGD batch)")
+        noise_aware = str(config["noise-aware"]).strip().lower()
+        if noise_aware not in ("auto", "true", "false"):
+            raise SettingsError(f"noise-aware must be 'auto', 'true' or 'false', got {config['noise-aware']!r}")
+        if noise_aware == "auto":
+            noise_aware = config["method"] == "dp_optimisation" and str(config["family"]) in ("mean_field", "full_rank")
         local = LocalSettings(local_steps=int(config["local-steps"]), batch_size=batch if batch > 0 else None,
                               num_samples=int(config["num-samples"]), optimizer=str(config["optimizer"]),
                               learning_rate=float(config["learning-rate"]), damping=float(config["damping"]),
                               clip=float(config["clip"]), planned_rounds=int(config["rounds"]),
                               tail_average=float(config["tail-average"]), family=str(config["family"]),
-                              rank=int(config["rank"]))
+                              rank=int(config["rank"]), noise_aware=noise_aware in (True, "true"))
         local.check_method(str(config["method"]))
         path = lambda key: Path(str(config[key])) if str(config[key]).strip() else None
         return cls(str(config["model"]), str(config["method"]), str(config["schedule"]), int(config["rounds"]), local,

@@ -25,7 +25,7 @@ from pathlib import Path
 #: Methods a ClientApp runs: DP-SGD in the local step, and plain PVI (only where the node allows it).
 PRIVATE_METHODS = ("dp_optimisation",)
 METHODS = ("pvi",) + PRIVATE_METHODS
-OPTIMIZERS = ("adam", "sgd", "cvi", "newton")
+OPTIMIZERS = ("adam", "sgd", "cvi", "newton", "private_newton")
 #: Gaussian families of q (``DPPVI(family=...)``); ``"newton"`` is the local step of non-private full-rank and
 #: low-rank PVI.
 FAMILIES = ("mean_field", "full_rank", "low_rank")
@@ -59,6 +59,7 @@ class LocalSettings:
     tail_average: float = 0.0
     family: str = "mean_field"
     rank: int = 0  # family "low_rank": r (0: fit_dppvi's default round(sqrt(D)), resolved from the model)
+    noise_aware: bool = False  # DP optimisation: noise-aware answers and posterior (fit_dppvi's noise_aware)
 
     def __post_init__(self):
         for name in ("local_steps", "num_samples", "planned_rounds"):
@@ -87,8 +88,18 @@ class LocalSettings:
         """The settings' optimiser and family fit ``method`` (as :class:`~numpyro_dppvi.pvi.driver.DPPVI` requires):
         non-private full-rank PVI takes Newton steps, DP optimisation an optax optimiser, mean-field never Newton."""
         if method == "dp_optimisation" and self.optimizer == "newton":
-            raise SettingsError("method='dp_optimisation' takes optimizer 'adam', 'sgd' or 'cvi' (Newton steps need "
-                                "the Hessians of the data, which DP-SGD does not release)")
+            raise SettingsError("method='dp_optimisation' takes optimizer 'private_newton' (fit_dppvi's default: "
+                                "learning-rate its step), 'adam', 'sgd' or 'cvi' (Newton steps with exact Hessians need "
+                                "the data, which DP-SGD does not release)")
+        if self.noise_aware and (method != "dp_optimisation" or self.family == "low_rank"):
+            raise SettingsError("noise-aware is available for method='dp_optimisation' with family 'mean_field' or "
+                                "'full_rank'")
+        if self.optimizer == "private_newton" and (method != "dp_optimisation" or self.family == "low_rank"):
+            raise SettingsError("optimizer='private_newton' is the local step of method='dp_optimisation' with family "
+                                "'mean_field' or 'full_rank'")
+        if self.optimizer == "private_newton" and not 0.0 < self.learning_rate <= 1.0:
+            raise SettingsError(f"optimizer='private_newton' takes learning-rate as its step, in (0, 1]; got "
+                                f"{self.learning_rate}")
         if method == "pvi" and self.family in ("full_rank", "low_rank") and self.optimizer != "newton":
             raise SettingsError(f"family={self.family!r} with method='pvi' takes optimizer='newton' (learning-rate: "
                                 "its precision step, e.g. 0.5)")

@@ -43,13 +43,15 @@ from .driver import DPPVI
 def fit_global_vi(model, clients, *, steps: int = 1000, steps_per_round: int = 100, batch_size: int | None = 100,
                   num_samples: int = 10, optimizer: optax.GradientTransformation | None = None, rng_key=None,
                   eval_data=None, progress: bool = False, privacy=None, family: str = "mean_field",
-                  rank: int | None = None) -> DPPVIResult:
+                  rank: int | None = None, noise_aware: bool | None = None) -> DPPVIResult:
     """VI (``privacy=None``) or DP-SGD VI on the pooled data of ``clients``; history every ``steps_per_round`` steps.
 
     ``family``: ``"mean_field"`` or ``"full_rank"`` (private or not; see :class:`~numpyro_dppvi.pvi.driver.DPPVI`), or
     ``"low_rank"`` with ``rank`` (private or not).
 
     ``rng_key=None`` draws the key from the operating system (see :func:`~numpyro_dppvi.fit_dppvi`).
+    ``noise_aware``: as in :func:`~numpyro_dppvi.fit_dppvi` (private fits with a mean-field or full-rank ``q``:
+    the pooled data are one client whose releases the noise-aware step reads).
     """
     clients = validate_clients(clients)
     if steps % steps_per_round:
@@ -63,7 +65,7 @@ def fit_global_vi(model, clients, *, steps: int = 1000, steps_per_round: int = 1
         privacy = dataclasses.replace(privacy, public_sizes=sum(privacy.public_sizes))
     driver = DPPVI(model, method="pvi" if privacy is None else "dp_optimisation", schedule="sequential",
                    optimizer=optimizer, local_steps=steps_per_round, batch_size=batch_size, num_samples=num_samples,
-                   damping=1.0, privacy=privacy, rounds=rounds, family=family, rank=rank)
+                   damping=1.0, privacy=privacy, rounds=rounds, family=family, rank=rank, noise_aware=noise_aware)
     driver.caller = "fit_global_vi"
     pooled_result = driver.run(rng_key, [pooled], rounds, eval_data=eval_data, progress=progress)
     history = [dict(entry, communications=entry["round"] * steps_per_round * len(clients),
@@ -77,7 +79,8 @@ def fit_global_vi(model, clients, *, steps: int = 1000, steps_per_round: int = 1
             ledger.record_all(event)
     config = dict(pooled_result.config, steps=steps, steps_per_round=steps_per_round)
     return DPPVIResult(pooled_result.adapter, pooled_result.q, history, "global_vi" if privacy is None else "dp_global_vi",
-                       None, ledger, config, pooled_result.rounds, convergence=pooled_result.convergence)
+                       None, ledger, config, pooled_result.rounds, convergence=pooled_result.convergence,
+                       q_fitted=pooled_result.q_fitted)
 
 
 def fit_bcm(model, clients, *, prior: str = "same", local_steps: int = 1000, batch_size: int | None = 100,
@@ -101,7 +104,7 @@ def fit_bcm(model, clients, *, prior: str = "same", local_steps: int = 1000, bat
         raise ValueError(f"fit_bcm: invalid must be 'prior' or 'raise', got {invalid!r}")
     driver = DPPVI(model, method="pvi" if privacy is None else "dp_optimisation", schedule="synchronous",
                    optimizer=optimizer, local_steps=local_steps, batch_size=batch_size, num_samples=num_samples,
-                   damping=1.0, privacy=privacy, rounds=1, family=family, rank=rank)
+                   damping=1.0, privacy=privacy, rounds=1, family=family, rank=rank, noise_aware=False)
     driver.caller = "fit_bcm"
     start = time.perf_counter()
     state = driver.init(rng_key, clients)

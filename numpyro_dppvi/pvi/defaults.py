@@ -44,10 +44,11 @@ MIN_ROUNDS, MAX_ROUNDS = 2 * diagnostics.WINDOW, 100
 #: client-level DP need them).
 METHOD_DEFAULTS = {
     "pvi": dict(schedule="sequential", rounds=None, optimizer=LOCAL_OPTIMIZER, local_steps=20, tail_average=0.5),
-    # damping 0.5 (issue 23): at 1, 10 of 10 fits of a 5-covariate logistic regression (10 clients of 200 rows,
-    # epsilon 1) raised FitDiverged within 40 rounds, and 27 of 30 at 10 clients of 1000; at 0.5 none, and the
-    # posterior mean's RMSE at 10 rounds fell from 0.33 to 0.23 (n = 2000) and 0.41 to 0.34 (n = 10000)
-    "dp_optimisation": dict(schedule="sequential", damping=0.5),
+    # damping 1 (issue 23): each client's answer is the Newton point of its factor estimated from its releases,
+    # averaged over its last half of the rounds (pvi.noise_aware); damping would mix in the older, noisier
+    # estimates a second time. The local steps: optim.PrivateNewton (mean-field, full-rank), tail_average 0.5 for
+    # the iterate the answer starts from.
+    "dp_optimisation": dict(schedule="sequential", damping=1.0, tail_average=0.5),
     "virtual_clients": dict(optimizer=natural_gradient(0.5), damping=0.1, invalid="floor", precision_floor=1.0),
     "local_averaging": dict(invalid="floor", precision_floor=1.0),
 }

@@ -29,12 +29,13 @@ from ..diagnostics import ADVICE, LOW_RANK_ADVICE, convergence_advice
 from ..evaluation import evaluate
 from ..factors import Gaussian
 from ..model_adapter import ModelAdapter
-from ..optim import Newton
+from ..optim import Newton, PrivateNewton
 from ..privacy import Privacy
 from ..privacy.noise import float32_at_least
 from ..privacy.sizes import declared_sizes, public_client_sizes
 from ..program_cache import cached, to_device
 from ..results import DPPVIResult
+from . import noise_aware
 from . import plan as plan_module
 from . import resume as resume_module
 from .defaults import (DEFAULT_LOCAL_STEPS, DEFAULT_OPTIMIZER, FAILED_UPDATES_TOLERATED, METHOD_DEFAULTS, METHODS,
@@ -122,7 +123,7 @@ class DPPVI:
                  server_steps: int = 50, privacy=None, rounds: int | None = None, shards=None,
                  invalid: str | None = None, precision_floor: float | None = None, trusted_aggregator: bool = False,
                  privacy_unit: str = "example", client_rate: float = 1.0, tail_average: float | None = None,
-                 family: str = "mean_field", rank: int | None = None):
+                 family: str = "mean_field", rank: int | None = None, noise_aware: bool | None = None):
         if method not in METHODS:
             raise ValueError(f"unknown method {method!r}{did_you_mean(method, METHODS)}; choose one of {METHODS}")
         factors.check_family(family, "DPPVI")
@@ -152,6 +153,17 @@ class DPPVI:
         schedule = default_schedule(method, trusted_aggregator, privacy_unit) if schedule is None else schedule
         if family in ("full_rank", "low_rank") and optimizer is None and method != "dp_optimisation":
             optimizer = Newton()
+        if method == "dp_optimisation" and optimizer is None and family in ("mean_field", "full_rank"):
+            optimizer = PrivateNewton()
+        if isinstance(optimizer, PrivateNewton) and (method != "dp_optimisation" or family == "low_rank"):
+            raise ValueError("optim.PrivateNewton is the local step of method='dp_optimisation' with family "
+                             "'mean_field' or 'full_rank'; leave optimizer out for the method's default")
+        supported = method == "dp_optimisation" and family in ("mean_field", "full_rank") and privacy is not None
+        if noise_aware and not supported:
+            raise ValueError(
+                f"noise_aware=True is available for method='dp_optimisation' with family 'mean_field' or 'full_rank' "
+                f"(got method={method!r}, family={family!r}{'' if privacy is not None else ', no privacy'}); "
+                "leave noise_aware out (None) to use it where it is available")
         optimizer = defaults.get("optimizer", DEFAULT_OPTIMIZER) if optimizer is None else optimizer
         local_steps = defaults.get("local_steps", DEFAULT_LOCAL_STEPS) if local_steps is None else local_steps
         damping = defaults.get("damping", 1.0) if damping is None else damping
@@ -233,6 +245,7 @@ class DPPVI:
         self.tail_average = float(tail_average)
         self.family = family
         self.rank = None if rank is None else int(rank)
+        self.noise_aware = supported if noise_aware is None else bool(noise_aware)
         self.adapter: ModelAdapter | None = None
         self.declared_sizes = None  # Privacy.public_sizes, checked against the clients (set up by init)
         self.ledger = None
@@ -437,7 +450,7 @@ class DPPVI:
                "privacy_unit": self.privacy_unit, "client_rate": self.client_rate,
                "trusted_aggregator": self.trusted_aggregator, "invalid": self.invalid,
                "precision_floor": self.precision_floor, "tail_average": self.tail_average, "family": self.family,
-               "rank": self.rank, "shards": None,
+               "rank": self.rank, "shards": None, "noise_aware": self.noise_aware,
                "privacy": None}
         if self.method in UPDATE_METHODS and self.adapter is not None:
             out["shards"] = "rows" if self.shards == ROWS else [int(k) for k in self.num_shards]
@@ -458,9 +471,11 @@ class DPPVI:
     config = settings
 
     def _result(self, state: PVIState, history: list) -> DPPVIResult:
-        return DPPVIResult(self.adapter, state.q, history, method=self.method, schedule=self.schedule,
+        q = noise_aware.posterior(state.q, state.client_state) if self.noise_aware else state.q
+        return DPPVIResult(self.adapter, q, history, method=self.method, schedule=self.schedule,
                            privacy=self.ledger, config=self.settings(), rounds=int(state.round),
-                           convergence=getattr(self, "convergence", None))
+                           convergence=getattr(self, "convergence", None),
+                           q_fitted=state.q if self.noise_aware else None)
 
     def _public_entry(self, state, metrics, seconds) -> tuple[dict, dict]:
         """Split one round's record into what may be published and what stays in the private checkpoint."""
@@ -495,6 +510,11 @@ class DPPVI:
             entry["failed"] = failed
             if "failed_coordinates" in metrics:  # where the failed updates were not finite (post-processing)
                 entry["failed_sites"] = self.adapter.sites_of(np.asarray(metrics["failed_coordinates"]))
+        # DP optimisation's answers held back by their trust region, and those whose factor's curvature estimate
+        # was floored (pvi.noise_aware): computed from the releases, public
+        for name, key in (("bound", "trust_region_bound"), ("floored", "curvature_floored")):
+            if name in metrics and np.any(np.asarray(metrics[name])):
+                entry[key] = int(np.sum(np.asarray(metrics[name])))
         if "low_rank_truncation" in metrics:  # computed from q: public
             entry["low_rank_truncation"] = float(metrics["low_rank_truncation"])
         if "order" in metrics and self.schedule == "asynchronous":

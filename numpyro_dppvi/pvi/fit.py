@@ -25,7 +25,12 @@ def fit_dppvi(model, clients, *, method: str = "pvi", schedule: str | None = Non
     the noise so that every client's releases over ``rounds`` rounds meet the budget; the result's
     ``privacy`` ledger reports what was spent. ``options`` are the remaining :class:`DPPVI` arguments
     (``shards``, ``invalid``, ``precision_floor``, ``trusted_aggregator``, ``privacy_unit``, ``client_rate``,
-    ``tail_average``, ``family``, ``rank``).
+    ``tail_average``, ``family``, ``rank``, ``noise_aware``).
+
+    ``noise_aware`` (None: wherever it is available, today ``method="dp_optimisation"`` with a mean-field or
+    full-rank ``q``): the result's ``q`` accounts for the uncertainty the privacy noise leaves in the fit
+    (:mod:`numpyro_dppvi.pvi.noise_aware`; post-processing of the releases, no privacy cost); ``False`` gives
+    ``q`` as fitted (``result.q_fitted`` holds it either way).
 
     Defaults (:data:`METHOD_DEFAULTS`): ``schedule`` sequential for ``"pvi"`` and ``"dp_optimisation"``,
     synchronous otherwise; ``rounds=None``: non-private fits run until ``q`` has converged (checked
@@ -46,7 +51,7 @@ def fit_dppvi(model, clients, *, method: str = "pvi", schedule: str | None = Non
     ``numpyro_dppvi.fit_dppvi`` also takes ``method="vips"`` (federated VIPS, :mod:`numpyro_dppvi.fit`).
     """
     unknown = set(options) - {"shards", "invalid", "precision_floor", "trusted_aggregator", "privacy_unit",
-                              "client_rate", "tail_average", "family", "rank"}
+                              "client_rate", "tail_average", "family", "rank", "noise_aware"}
     if unknown:
         hint = " (a privacy budget goes in privacy=dppvi.Privacy(epsilon=..., delta=...))" if unknown & {
             "epsilon", "delta", "clip", "noise_multiplier"} else ""

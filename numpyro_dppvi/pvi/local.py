@@ -23,9 +23,11 @@ import optax
 
 from .. import factors, objectives
 from ..factors import Gaussian
+from ..optim import PrivateNewton
 from ..privacy.adaptive_clip import adaptive_clip_update_from_count, centred_count
 from ..privacy.mechanisms import add_gaussian_noise, clipped_sum
 from ..privacy import noise
+from . import noise_aware
 from ..privacy.sampling import poisson_fold, without_replacement_batch
 
 
@@ -301,7 +303,7 @@ class DPOptimisation(NonPrivate):
     """
 
     log_lik_row: Callable = None
-    antithetic: bool = False  # the tuned private defaults (issue 23 revisits them); True is equally valid
+    curvature_weight: float = 1.0  # kappa of the pair release's curvature block (objectives.per_example_pair_grads)
     clip: float = 1.0
     sampling: str = "poisson"
     max_batch: int = 0  # the fixed batch of sampling without replacement
@@ -309,34 +311,62 @@ class DPOptimisation(NonPrivate):
     chunk: int = 8  # rows per chunk of a Poisson batch
     family: str = "mean_field"  # "full_rank": q and the factors [D, D], parameters (loc, L) (factors.to_params)
     rank: int = 0  # family "low_rank": parameters (loc, log_scale, factor [D, r]), draws from D + r normals
+    damping: float = 1.0  # the server's damping, for the noise covariance of the damped factor (noise_aware)
+    average_from: int = 0  # the update of each client from which its factor averages its estimates (damping 1)
+    answer_radius: float = 3.0  # trust region of the answer around the iterate, in sds (noise_aware.probe_step)
+    noise_aware: bool = False  # the answer's factor is the noisy observation's (noise_aware.noisy_observation_factor)
+
+    @property
+    def pairs(self) -> int:
+        """Antithetic pairs of draws per step: ``num_samples // 2`` (at least one)."""
+        return max(self.num_samples // 2, 1)
+
+    def init_client_state(self, arrays, mask, key) -> Any:
+        """The covariance ``N_m`` of the noise in the client's factor (:mod:`.noise_aware`): ``[D]``, ``[D, D]``
+        full-rank (low-rank answers are not estimated from the trace and carry none)."""
+        square = jnp.zeros((self.dim, self.dim), jnp.float32)
+        scalar = jnp.zeros((), jnp.float32)
+        return {"factor_noise": square, "scatter_sum": square, "curvature_sum": square, "factor_curvature": square,
+                "information_sum": jnp.zeros(self.dim, jnp.float32), "factor_count": scalar, "dof": scalar,
+                "updates": jnp.zeros((), jnp.int32)}
+
+    @property
+    def trace_answer(self) -> bool:
+        """The answer is the trace's factor estimate (:mod:`.noise_aware`) for mean-field and full-rank ``q``."""
+        return self.family in ("mean_field", "full_rank")
 
     def clipped_sum(self, params, eps, rows, bmask, clip=None):
-        """``sum_{i in B} clip_C(g_i)`` of per-example likelihood gradients over given rows (pre-noise)."""
+        """``sum_{i in B} clip_C(Gamma_i)`` of per-example, per-draw likelihood gradients over given rows
+        (pre-noise), ``[S, D]``."""
         return self.clipped_sum_and_norms(params, eps, rows, bmask, clip)[0]
 
     def clipped_sum_and_norms(self, params, eps, rows, bmask, clip=None):
         """:meth:`clipped_sum` and the unclipped per-example norms (for adaptive clipping)."""
-        per_example = objectives.per_example_log_lik_grads(self.log_lik_row, params, eps, rows, self.blocks)
+        per_example = objectives.per_example_pair_grads(self.log_lik_row, params, eps, rows, self.curvature_weight,
+                                                         self.blocks)
         summed, norms = clipped_sum(per_example, self.clip if clip is None else clip, bmask)
         return summed, norms
 
     def sampled_clipped_sum(self, params, eps, arrays, mask, key, rate, clip):
-        """``(sum_{i in B} clip_C(g_i), sum_{i in B} (1[||g_i|| <= C] - 1/2))`` over the batch ``B`` the
+        """``(sum_{i in B} clip_C(Gamma_i), sum_{i in B} (1[||Gamma_i|| <= C] - 1/2))`` over the batch ``B`` the
         accounted sampler draws (the released query before noise, and the adaptive-clipping count)."""
         if self.sampling == "poisson":
             def add_chunk(carry, indices, chunk_mask):
                 total, count = carry
                 summed, norms = self.clipped_sum_and_norms(params, eps, take_rows(arrays, indices), chunk_mask, clip)
-                return jax.tree.map(jnp.add, total, summed), count + centred_count(norms, chunk_mask, clip)
+                return total + summed, count + centred_count(norms, chunk_mask, clip)
 
-            zero = (jax.tree.map(jnp.zeros_like, params), jnp.zeros(()))
+            zero = (jnp.zeros((2, self.pairs, self.dim), eps.dtype), jnp.zeros(()))
             return poisson_fold(key, mask, rate, self.chunk, add_chunk, zero)
         indices, bmask = without_replacement_batch(key, mask, self.max_batch)
         summed, norms = self.clipped_sum_and_norms(params, eps, take_rows(arrays, indices), bmask, clip)
         return summed, centred_count(norms, bmask, clip)
 
-    def private_step(self, params, key, arrays, mask, n, cavity, client_state):
-        """One DP-SGD step: ``(gradient of the loss, data-free loss, client_state)``.
+    def released_draw_sums(self, params, key, arrays, mask, client_state):
+        """One DP-SGD release, read as estimates of ``sum_i G_is`` over the client's rows: ``(draw_sums [S, D],
+        eps, client_state)``, ``draw_sums = sqrt(S) (sum_{i in B} clip_C(Gamma_i) + N(0, sigma^2 C^2 I)) / q_m``
+        (:func:`~numpyro_dppvi.objectives.per_example_draw_grads`; ``E[|B|] = q_m n_m``, so ``1 / q_m`` makes the
+        batch sum unbiased for the sum over the ``n_m <= N_m`` rows).
 
         With adaptive clipping (``client_state["clip"]``, Andrew et al. 2021) the clip norm is the
         client's current private quantile estimate; the gradient noise scales with it
@@ -346,25 +376,148 @@ class DPOptimisation(NonPrivate):
         """
         k_batch, k_eps, k_noise, k_count = jax.random.split(key, 4)
         rate = client_state["rate"]
-        eps = objectives.standard_draws(k_eps, self.num_samples, self.dim + self.rank, self.antithetic)
+        eps = objectives.antithetic_pairs(k_eps, self.pairs, self.dim + self.rank)
         adaptive = "clip" in client_state
         clip = client_state["clip"].clip if adaptive else self.clip
         summed, count = self.sampled_clipped_sum(params, eps, arrays, mask, k_batch, rate, clip)
         # a float32 product rounds by half an ulp at most: one ulp up keeps the std >= the calibrated one
         std = jnp.nextafter(client_state["noise_per_clip"] * clip, jnp.inf) if adaptive else client_state["noise_std"]
         noisy = add_gaussian_noise(k_noise, summed, std)
-        prior_value, prior_grad = jax.value_and_grad(lambda p: objectives.cavity_term(p, cavity) / n)(params)
-        grads = jax.tree.map(lambda s, pg: -(s / (rate * n) + pg), noisy, prior_grad)  # E[batch] = rate n
         if adaptive:
             client_state = dict(client_state, clip=adaptive_clip_update_from_count(client_state["clip"], count, k_count))
-        return grads, -prior_value, client_state
+        return objectives.draw_sums_from_pair_sums(params, noisy, self.curvature_weight) / rate, eps, client_state
+
+    def gradients(self, params, eps, draw_sums, n, cavity):
+        """``(gradient of the loss -L_m / N_m, data-free loss)`` from one release's ``draw_sums`` (aligned
+        gradients: :func:`~numpyro_dppvi.objectives.data_gradients_from_draw_sums`; the cavity term is
+        data-independent and exact)."""
+        data = objectives.data_gradients_from_draw_sums(params, eps, draw_sums)
+        prior_value, prior_grad = jax.value_and_grad(lambda p: objectives.cavity_term(p, cavity) / n)(params)
+        return jax.tree.map(lambda d, pg: -(d / n + pg), data, prior_grad), -prior_value
+
+    def private_step(self, params, key, arrays, mask, n, cavity, client_state):
+        """One DP-SGD step: ``(gradient of the loss, data-free loss, client_state)``."""
+        draw_sums, eps, client_state = self.released_draw_sums(params, key, arrays, mask, client_state)
+        grads, loss = self.gradients(params, eps, draw_sums, n, cavity)
+        return grads, loss, client_state
 
     def update(self, q, cavity, arrays, mask, n, key, client_state):
-        params, losses, _, client_state = optimise(
-            self.optimizer, factors.to_params(q), self.local_steps, key,
-            lambda p, k, t, cs: self.private_step(p, k, arrays, mask, n, cavity, cs),
-            average=self.average, aux=client_state, objective_scale=n)
-        q_new = factors.from_params(params)
-        if factors.is_low_rank(q):  # in the basis [B, S^-1 W]: the server widens B by the answer's directions
-            q_new = factors.prepend_basis(q_new, q.eta2.basis)
-        return q_new, client_state, {"loss": losses[-1]}
+        trace = self.trace_answer
+
+        def gradient_fn(p, k, t, cs):
+            draw_sums, eps, cs = self.released_draw_sums(p, k, arrays, mask, cs)
+            grads, loss = self.gradients(p, eps, draw_sums, n, cavity)
+            estimate = noise_aware.factor_estimate(p, eps, draw_sums) if trace else ()
+            return grads, (loss, estimate), cs
+
+        if isinstance(self.optimizer, PrivateNewton):
+            iterate, (losses, estimates), client_state = self.newton_steps(q, cavity, arrays, mask, n, key,
+                                                                           client_state)
+        else:
+            params, (losses, estimates), _, client_state = optimise(
+                self.optimizer, factors.to_params(q), self.local_steps, key, gradient_fn,
+                average=self.average, aux=client_state, objective_scale=n)
+            iterate = factors.from_params(params)
+        if not trace:
+            if factors.is_low_rank(q):  # in the basis [B, S^-1 W]: the server widens B by the answer's directions
+                iterate = factors.prepend_basis(iterate, q.eta2.basis)
+            return iterate, client_state, {"loss": losses[-1], "bound": jnp.zeros((), bool),
+                                           "floored": jnp.zeros((), bool)}
+        answer, bound, client_state = self.trace_answer_of(estimates, cavity, iterate, client_state)
+        floored = noise_aware.floors(client_state["factor_curvature"], self.family == "full_rank")
+        return answer, client_state, {"loss": losses[-1], "bound": bound, "floored": floored}
+
+    def averaging(self, client_state):
+        """Whether this update's estimates join the client's earlier ones (:meth:`trace_answer_of`)."""
+        return (self.damping == 1.0) & (client_state["updates"] >= self.average_from)
+
+    def newton_steps(self, q, cavity, arrays, mask, n, key, client_state):
+        """``local_steps`` steps of :class:`~numpyro_dppvi.optim.PrivateNewton` from ``q``: ``(last iterate,
+        (data-free losses, per-step estimates (h_t, B_t)), client_state)``. The step's target is the Newton
+        answer of the mean of every estimate of this update (and of the client's earlier ones it averages
+        with); the iterate moves ``step`` of the way there in natural parameters where that is proper."""
+        averaging = self.averaging(client_state)
+        carried = lambda name: jnp.where(averaging, client_state[name], 0.0)
+        start = (carried("information_sum"), carried("curvature_sum"), carried("factor_count"))
+
+        def step(carry, t):
+            probe, sums, cs = carry
+            params = factors.to_params(probe)
+            draw_sums, eps, cs = self.released_draw_sums(params, jax.random.fold_in(key, t), arrays, mask, cs)
+            probe, sums, out = self.after_release(probe, sums, cs, cavity, n, eps, draw_sums)
+            return (probe, sums, cs), out
+
+        (probe, _, client_state), outputs = jax.lax.scan(step, (q, start, client_state), jnp.arange(self.local_steps))
+        return probe, outputs, client_state
+
+    def after_release(self, probe: Gaussian, sums, client_state, cavity: Gaussian, n, eps, draw_sums):
+        """The post-processing of one release by :class:`~numpyro_dppvi.optim.PrivateNewton` (no data: the
+        release ``draw_sums``, its draws ``eps``, the public ``probe``, ``cavity`` and size, and values computed
+        from earlier releases): ``(next probe, running sums, (data-free loss, (h_t, B_t)))``. The step's target
+        is the Newton answer of the mean of every estimate so far (:meth:`newton_steps`)."""
+        h_sum, b_sum, count = sums
+        params = factors.to_params(probe)
+        h, b = noise_aware.factor_estimate(params, eps, draw_sums)
+        sums = (h_sum + h, b_sum + b, count + 1.0)
+        information, curvature = sums[0] / sums[2], sums[1] / sums[2]
+        if self.noise_aware:  # the answer's shrinkage, with the noise known for certain (the mechanism's)
+            dp_variance = jnp.square(self.noise_std_of(client_state) / client_state["rate"]) / sums[2]
+            information, curvature = noise_aware.noisy_observation_factor(
+                information, curvature, dp_variance * jnp.eye(self.dim, dtype=curvature.dtype))
+        target = noise_aware.newton_answer(cavity, information, curvature, params["loc"])
+        moved, _ = noise_aware.probe_step(probe, target, self.optimizer.step)
+        loss = -objectives.cavity_term(params, cavity) / n
+        return moved, sums, (loss, (h, b))
+
+    def trace_answer_of(self, estimates, cavity: Gaussian, iterate: Gaussian, client_state):
+        """The client's answer from this update's per-step estimates ``(h_t, B_t)`` (:mod:`.noise_aware`), its
+        noise, and the client state carrying both: ``(q_new, bound, client_state)``.
+
+        The estimates of the last half of the steps (all of them after the client's first update, which starts
+        from the prior) give this update's ``(h, B)``. From the client's ``average_from``-th update on (with
+        ``damping = 1``) its estimate is the mean over every update since, weighted by their steps:
+        Polyak-Ruppert averaging across rounds. The answer is the Newton step to that factor
+        (:func:`~.noise_aware.newton_answer`) from the iterate, inside a trust region of ``answer_radius`` sds
+        (:func:`~.noise_aware.probe_step`; ``bound``: it held the answer back). Its noise is the pooled step
+        covariance (:func:`~.noise_aware.step_covariance`) over the steps averaged; with ``damping < 1`` the
+        factor's noise follows the damped updates (:func:`~.noise_aware.damped_noise`)."""
+        information, curvatures = estimates
+        steps = self.local_steps
+        first = client_state["updates"] == 0
+        keep = jnp.arange(steps) >= jnp.where(first, steps - tail_length(steps, 0.5), 0)
+        kept = jnp.sum(keep).astype(jnp.float32)
+        averaging = self.averaging(client_state)
+        carried = lambda name, x: jnp.where(averaging, client_state[name], 0.0) + x
+        count = carried("factor_count", kept)
+        reference = factors.to_loc_scale(iterate)[0]
+        answer_of = lambda h, b: noise_aware.probe_step(iterate, noise_aware.newton_answer(cavity, h, b, reference),
+                                                        1.0, self.answer_radius)
+        mean_of = lambda h, b: factors.to_loc_scale(answer_of(carried("information_sum", kept * h) / count,
+                                                              carried("curvature_sum", kept * b) / count)[0])[0]
+        this_h, this_b, scatter = noise_aware.tail_estimate(information, curvatures, keep, mean_of)
+        information_sum = carried("information_sum", kept * this_h)
+        curvature_sum = carried("curvature_sum", kept * this_b)
+        scatter_sum, dof = carried("scatter_sum", scatter), carried("dof", kept - 1.0)
+        curvature = curvature_sum / count
+        dp_variance = jnp.square(self.noise_std_of(client_state) / client_state["rate"])  # of a_t's mean-pair block
+        fresh = noise_aware.step_covariance(scatter_sum, dof, dp_variance) / count
+        information = information_sum / count
+        if self.noise_aware:
+            information, curvature = noise_aware.noisy_observation_factor(information, curvature, fresh)
+        answer, bound = answer_of(information, curvature)
+        if self.damping != 1.0:
+            fresh = noise_aware.damped_noise(client_state["factor_noise"], fresh, self.damping)
+            curvature = (1.0 - self.damping) * client_state["factor_curvature"] + self.damping * curvature
+        keep_finite = lambda new, old: jnp.where(jnp.all(jnp.isfinite(new)), new, old)
+        client_state = dict(client_state, updates=client_state["updates"] + 1, factor_count=count,
+                            information_sum=information_sum, curvature_sum=curvature_sum, scatter_sum=scatter_sum,
+                            dof=dof, factor_noise=keep_finite(fresh, client_state["factor_noise"]),
+                            factor_curvature=keep_finite(curvature, client_state["factor_curvature"]))
+        return answer, bound, client_state
+
+    def noise_std_of(self, client_state):
+        """The std of the Gaussian mechanism's noise per coordinate of the release (with adaptive clipping: at
+        the current clip)."""
+        if "clip" in client_state:
+            return client_state["noise_per_clip"] * client_state["clip"].clip
+        return client_state["noise_std"]

@@ -127,6 +127,9 @@ def synchronous(rule, damping, state: PVIState, data, mask, sizes, key, limits):
            **extra}
     if "invalid" in metrics:
         out["invalid"] = metrics["invalid"] & state.active
+    for name in ("bound", "floored"):
+        if name in metrics:
+            out[name] = metrics[name] & ok
     return new_state, out
 
 
@@ -179,13 +182,16 @@ def arrivals(rule, damping, state: PVIState, data, mask, sizes, key, order, limi
         cavity_ok = factors.is_proper(cavity) | (not getattr(rule, "uses_client_cavity", True))
         valid = valid & ((cavity_ok & factors.is_proper(q_next)) | ~act)
         invalid = metrics.get("invalid", jnp.zeros((), bool)) & act
+        bound = metrics.get("bound", jnp.zeros((), bool)) & act
+        floored = metrics.get("floored", jnp.zeros((), bool)) & act
         bad = failed & ~factors.finite_coordinates(q_new)
-        return (q_next, fac, seen, cstate, valid, active, counts, dropped, fixed), (metrics["loss"], afford, invalid, failed, stop, bad)
+        return (q_next, fac, seen, cstate, valid, active, counts, dropped, fixed), (
+            metrics["loss"], afford, invalid, failed, stop, bad, bound, floored)
 
     # the server's factors take no change in these rounds, but each arrival's rebase applies to them as to q
     init = (state.q, state.factors, state.q_seen, state.client_state, jnp.array(True), state.active,
             state.participations, jnp.zeros((), state.q.eta1.dtype), (state.server_factor, state.noise_factor))
-    (q, fac, seen, cstate, valid, active, counts, dropped, (t0, t_noise)), (loss, took_part, invalid, failed, stop, bad) = jax.lax.scan(
+    (q, fac, seen, cstate, valid, active, counts, dropped, (t0, t_noise)), (loss, took_part, invalid, failed, stop, bad, bound, floored) = jax.lax.scan(
         arrive, init, (jnp.arange(order.shape[0]), order)
     )
     extra = {}
@@ -200,7 +206,7 @@ def arrivals(rule, damping, state: PVIState, data, mask, sizes, key, order, limi
     per_client = lambda flags: jnp.zeros(m, bool).at[order].max(flags)
     return new_state, {"valid": valid, "loss": loss, "participated": per_client(took_part), "order": order,
                        "invalid": invalid, "failed": per_client(failed), "stopped": per_client(stop),
-                       "failed_coordinates": jnp.any(bad, axis=0), **extra}
+                       "failed_coordinates": jnp.any(bad, axis=0), "bound": bound, "floored": floored, **extra}
 
 
 def arrival_order(key, sizes, active, num_arrivals: int):

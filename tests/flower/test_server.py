@@ -157,7 +157,9 @@ def test_the_server_app_publishes_only_public_outputs(clients, tmp_path):
         run_id=1, node_id=1, node_config={}, state=RecordDict(), run_config=config))
     result = dppvi.load(out / "result.npz", logistic_regression)
     arrays, meta = checkpoint.load(out / "result.npz")
-    assert sorted(arrays) == ["['q'].eta1", "['q'].eta2"] and not meta["private"]
+    # q, and for a noise-aware fit (DP optimisation's default) q as fitted: both post-processing of the releases
+    assert sorted(arrays) == ["['q'].eta1", "['q'].eta2", "['q_fitted'].eta1", "['q_fitted'].eta2"][
+        :4 if meta["config"].get("noise_aware") else 2] and not meta["private"]
     assert result.is_private and result.privacy.num_clients == 3
     assert set(result.sample(10)) == {"w", "b"}
     text = json.dumps(meta)

@@ -213,9 +213,11 @@ def test_adaptive_clipping_tracks_a_quantile_privately_and_is_accounted():
 def test_long_private_fits_at_the_defaults_do_not_diverge():
     """Issue 23: a 5-covariate logistic regression with an intercept (weights drawn from the prior), 10
     clients of 200 rows, DP optimisation at epsilon 1 with batches of 100 and otherwise the defaults, 40
-    rounds. At the former default damping 1, 10 of 10 such fits raised FitDiverged (rounds 18-37); at the
-    default 0.5 none of 10 (and none of 30 at 10 clients of 1000 rows, where damping 1 lost 27). Five data
-    sets here: with damping 1 each diverged, so the test fails unless the default holds them."""
+    rounds (400 releases per client: noise multiplier ~37, the noise of one release ~70 times a client's
+    signal). With Adam at damping 1, 10 of 10 such fits raised FitDiverged (rounds 18-37); with the trace's
+    plug-in Newton answers (no noise-aware shrinkage, no trust region) the means drifted to +-100-1000 in
+    every one of five. Now every fit runs its 40 rounds and stays where the data put it: each weight within
+    1 (the prior's sd) of the truth, the noise-aware sds 0.1-0.2 (measured: errors at most 0.65)."""
     from numpyro_dppvi.example_models import logistic_regression
 
     for seed in range(5):
@@ -226,4 +228,6 @@ def test_long_private_fits_at_the_defaults_do_not_diverge():
         clients = dppvi.partition((x, y), num_clients=10, seed=seed)
         result = dppvi.fit_dppvi(logistic_regression, clients, method="dp_optimisation", batch_size=100, rounds=40,
                                  privacy=Privacy(epsilon=1.0, delta=1e-5, clip=1.0), rng_key=jax.random.key(seed))
-        assert result.rounds == 40 and result.config["damping"] == 0.5
+        assert result.rounds == 40 and result.noise_aware
+        loc = np.concatenate([result.posterior["w"]["loc"], [result.posterior["b"]["loc"]]])
+        assert np.all(np.abs(loc - np.concatenate([w, [b]])) < 1.0), loc

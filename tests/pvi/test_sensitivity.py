@@ -23,7 +23,7 @@ import optax
 import pytest
 
 import numpyro_dppvi as dppvi
-from numpyro_dppvi import factors, keys
+from numpyro_dppvi import objectives, factors, keys
 from numpyro_dppvi.factors import Gaussian
 from numpyro_dppvi.optim import Newton
 from numpyro_dppvi.privacy import Privacy, sensitivity
@@ -91,10 +91,10 @@ LOW_RANK_Q = factors.Gaussian(jnp.array([0.6, -0.9]), factors.LowRank(
 @pytest.mark.parametrize("relation", RELATIONS)
 @pytest.mark.parametrize("family", ["mean_field", "full_rank", "low_rank"])
 def test_dp_optimisation_step_sum(family, relation):
-    """The released query of a DP-SGD step, ``sum_i clip(g_i)`` of the per-example likelihood
-    gradients over a batch holding every record (rate 1: the record is always in it). Full-rank: the
-    gradients of ``(loc, log_diag, offdiag)`` of a correlated ``q``, clipped jointly; low-rank: of
-    ``(loc, log_scale, factor)``, the draws from ``D + r`` normals."""
+    """The released query of a DP-SGD step, ``sum_i clip(Gamma_i)`` of the per-example vectors of pair means and
+    scaled pair differences of the likelihood's gradient at antithetic draws of ``q``
+    (``objectives.per_example_pair_grads``) over a batch holding every record (rate 1: the record is always in
+    it), clipped jointly. Full-rank: draws of a correlated ``q``; low-rank: draws from ``D + r`` normals."""
     client = client_data(40)
     d = dppvi.DPPVI(logistic, method="dp_optimisation", batch_size=5, rounds=1, num_samples=3,
                     privacy=Privacy(noise_multiplier=1.0, clip=CLIP), family=family,
@@ -105,7 +105,7 @@ def test_dp_optimisation_step_sum(family, relation):
         params = factors.to_params(factors.Gaussian(jnp.array([0.6, -0.9]), jnp.array([[-4.0, 1.5], [1.5, -3.0]])))
     if family == "low_rank":
         params = factors.to_params(LOW_RANK_Q)
-    eps = jax.random.normal(jax.random.key(1), (3, 3 if family == "low_rank" else 2))
+    eps = objectives.antithetic_pairs(jax.random.key(1), d.rule.pairs, 3 if family == "low_rank" else 2)
     released = jax.jit(lambda arrays: d.rule.clipped_sum(params, eps, arrays, jnp.ones(arrays[0].shape[0], bool)))
     base = released(client)
     bound = sensitivity(CLIP, relation_of(relation), "sum_of_records")
