@@ -19,7 +19,7 @@ through ``fit_vips`` (5 covariates, noise sd 1, 2000 rows, batches of 200, featu
 
 And UCI Adult (10 clients, ``--cells adult``): test accuracy and the expected calibration error (10 bins) of
 the posterior predictive probabilities, non-private defaults against DP optimisation at epsilon 1 (batches
-of 100, 3 keys) with the default clip and with ``AdaptiveClip(0.99)``.
+of 100, 3 keys) with the default clipping (``"auto"``) and with the former fixed ``clip=1``.
 
 Per cell: the share of (data set, coordinate) pairs whose 50% / 90% interval contains the truth, its
 Monte Carlo standard error (from the per-data-set shares: coordinates of one data set are not
@@ -28,10 +28,10 @@ independent), the RMSE of the posterior mean, the mean posterior sd, how many fi
 coverage near 0.9 is about 0.02 (0.03 near 0.5), so the issue's bars (0.85-0.95 and 0.42-0.58) are
 judged at about two standard errors.
 
-``--clipping default "clip 3" "adaptive 0.95" "adaptive 0.99"`` adds rows for DP optimisation and global
-DP-VI with other clippings: a larger fixed clip, or Andrew et al.'s private quantile estimate at a high
-quantile (its noisy count released and accounted), against the default ``clip=1``: the bias that
-clipping puts in the posterior against the noise a larger clip brings.
+``--clipping default "clip 1" "clip 3" "adaptive 0.95" "adaptive 0.99"`` adds rows for DP optimisation and
+global DP-VI with other clippings: a fixed clip (the former default 1, or 3), or Andrew et al.'s private quantile
+estimate at other quantiles, against the default (``adaptive_clip="auto"``: the 0.98 quantile, its noisy count
+released and accounted): the bias that clipping puts in the posterior against the noise a larger clip brings.
 
 Run from a checkout: ``python benchmarks/coverage.py`` (``--datasets 50``; ``--cells dp_optimisation``
 to run some methods only); writes ``benchmarks/results/coverage.json`` (about 20 minutes on 2 cores).
@@ -84,7 +84,8 @@ def loc_and_scale(result) -> tuple[np.ndarray, np.ndarray]:
 #: Clipping of DP optimisation measured beside the default (``--clipping``): the bias-noise trade-off.
 CLIPPING = {
     "default": {},
-    "clip 3": {"clip": 3.0},
+    "clip 1": {"clip": 1.0, "adaptive_clip": None},
+    "clip 3": {"clip": 3.0, "adaptive_clip": None},
     "adaptive 0.95": {"adaptive_clip": dppvi.privacy.AdaptiveClip(target_quantile=0.95)},
     "adaptive 0.99": {"adaptive_clip": dppvi.privacy.AdaptiveClip(target_quantile=0.99)},
 }
@@ -120,7 +121,7 @@ def fit_vips_linear(epsilon, x, y, index: int, noise_aware=None):
     aware = {} if noise_aware is None or privacy is None else {"noise_aware": noise_aware}
     result = dppvi.fit_vips(model, (x, y), privacy=privacy, batch_size=200, rng_key=jax.random.key(index), **aware)
     mean, cov = gaussian_moments(result.params["eta"], result.params["precision"])
-    return np.asarray(mean), np.sqrt(np.diag(np.asarray(cov))), bool(getattr(result, "noise_aware", False))
+    return np.asarray(mean), np.sqrt(np.diag(np.asarray(cov))), result.noise_aware
 
 
 def summarise(z: list, errors: list, scales: list, diverged: int, warned: int, seconds: float, count: int) -> dict:
@@ -140,7 +141,7 @@ def summarise(z: list, errors: list, scales: list, diverged: int, warned: int, s
 
 
 def run_cell(method: str, epsilon, n: int, count: int, clipping: str = "default", noise_aware=None) -> dict:
-    z, errors, scales, diverged, warned = [], [], [], 0, 0
+    z, errors, scales, diverged, warned, refused = [], [], [], 0, 0, []
     start = time.perf_counter()
     applied = None
     for index in range(count):
@@ -158,12 +159,16 @@ def run_cell(method: str, epsilon, n: int, count: int, clipping: str = "default"
         except dppvi.FitDiverged:
             diverged += 1
             continue
+        except ValueError as error:  # settings the accountant cannot meet (e.g. the sampler's charges use up delta)
+            refused.append(str(error))
+            continue
         warned += any(issubclass(w.category, FIT_WARNINGS) for w in caught)
         z.append(np.abs(loc - truth) / scale)
         errors.append(loc - truth)
         scales.append(scale)
     return dict(method=method, epsilon=epsilon, n=n, **({} if clipping == "default" else {"clipping": clipping}),
-                noise_aware=applied, **summarise(z, errors, scales, diverged, warned, time.perf_counter() - start, count))
+                noise_aware=applied, **summarise(z, errors, scales, diverged, warned, time.perf_counter() - start, count),
+                **({"refused": len(refused), "refusal": refused[0][:300]} if refused else {}))
 
 
 def cells(methods) -> list[tuple]:
@@ -192,7 +197,7 @@ def adult_calibration(keys: int = 3) -> list[dict]:
 
     x, y, x_test, y_test = dppvi.datasets.load_adult(split="train_test")
     clients = dppvi.partition((x, y), num_clients=CLIENTS, seed=0)
-    runs = [("pvi", "default", 0)] + [("dp_optimisation", c, k) for k in range(keys) for c in ("default", "adaptive 0.99")]
+    runs = [("pvi", "default", 0)] + [("dp_optimisation", c, k) for k in range(keys) for c in ("default", "clip 1")]
     out = []
     for method, clipping, key in runs:
         with warnings.catch_warnings():
@@ -229,7 +234,8 @@ def main(argv=None) -> dict:
     rows = []
     for method, epsilon, n in cells([c for c in args.cells if c != "adult"]):
         private_sgd = method in ("dp_optimisation", "dp_global_vi")
-        modes = ["default"] if epsilon is None else args.modes
+        # virtual clients are not noise-aware: their default is their noise_aware=False
+        modes = ["default"] if epsilon is None or method == "virtual_clients" else args.modes
         for clipping in (args.clipping if private_sgd else ["default"]):
             for mode in modes:
                 row = run_cell(method, epsilon, n, args.datasets, clipping, None if mode == "default" else False)

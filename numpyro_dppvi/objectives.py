@@ -265,6 +265,12 @@ def probe_scale(params: dict) -> jax.Array:
     return jnp.sqrt(jnp.mean(variances))
 
 
+def pair_release_dimension(dim: int, num_samples: int) -> int:
+    """Noise coordinates of one DP optimisation release (:func:`per_example_pair_grads`): the pair means and
+    half-differences of ``max(num_samples // 2, 1)`` antithetic pairs, ``2 P D``, whatever the family of ``q``."""
+    return 2 * max(int(num_samples) // 2, 1) * int(dim)
+
+
 def per_example_pair_grads(log_lik_row, params: dict, eps: jax.Array, rows: tuple, curvature_weight,
                            blocks: tuple[int, ...] | None = None) -> jax.Array:
     """The per-example vector DP optimisation clips and noises: for each antithetic pair ``p`` of draws

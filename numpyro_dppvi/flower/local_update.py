@@ -28,7 +28,7 @@ import jax.numpy as jnp
 import numpy as np
 import optax
 
-from .. import checkpoint, factors
+from .. import checkpoint, factors, objectives
 from ..program_cache import cached
 from ..data import validate_clients
 from ..factors import Gaussian
@@ -114,7 +114,7 @@ def privacy_of(node: NodeSettings, settings: LocalSettings, noise_multiplier: fl
     """The client's :class:`Privacy`: its budget and units from the node config, the clip from the server."""
     return Privacy(epsilon=None if noise_multiplier is not None else node.epsilon, delta=node.delta,
                    clip=settings.clip, noise_multiplier=noise_multiplier, sampling=node.sampling,
-                   neighbouring=node.neighbouring, accountant=node.accountant)
+                   neighbouring=node.neighbouring, accountant=node.accountant, adaptive_clip=None)
 
 
 def calibrated_plan(node: NodeSettings, settings: LocalSettings, num_rows: int, dimension: int,
@@ -165,8 +165,8 @@ def make_rule(method: str, adapter: ModelAdapter, settings: LocalSettings, plan:
 
 def noise_dimension(settings: LocalSettings, dim: int) -> int:
     """The noise coordinates of one DP-SGD release (its ledger event's ``dimension``), as ``fit_dppvi`` counts
-    them: the gradient of the family's parameters (:func:`~numpyro_dppvi.factors.num_parameters`)."""
-    return factors.num_parameters(dim, settings.family, settings.resolved_rank(dim))
+    them: the pair release (:func:`~numpyro_dppvi.objectives.pair_release_dimension`), whatever the family."""
+    return objectives.pair_release_dimension(dim, settings.num_samples)
 
 
 def initial_rule_state(rule, plan: PrivacyPlan | None, arrays, mask, key):

@@ -74,7 +74,8 @@ class ServerSettings:
         if noise_aware not in ("auto", "true", "false"):
             raise SettingsError(f"noise-aware must be 'auto', 'true' or 'false', got {config['noise-aware']!r}")
         if noise_aware == "auto":
-            noise_aware = config["method"] == "dp_optimisation" and str(config["family"]) in ("mean_field", "full_rank")
+            noise_aware = config["method"] == "dp_optimisation" and str(config["family"]) in ("mean_field", "full_rank") \
+                and str(config["optimizer"]) == "private_newton"
         local = LocalSettings(local_steps=int(config["local-steps"]), batch_size=batch if batch > 0 else None,
                               num_samples=int(config["num-samples"]), optimizer=str(config["optimizer"]),
                               learning_rate=float(config["learning-rate"]), damping=float(config["damping"]),

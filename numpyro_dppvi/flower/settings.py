@@ -91,9 +91,10 @@ class LocalSettings:
             raise SettingsError("method='dp_optimisation' takes optimizer 'private_newton' (fit_dppvi's default: "
                                 "learning-rate its step), 'adam', 'sgd' or 'cvi' (Newton steps with exact Hessians need "
                                 "the data, which DP-SGD does not release)")
-        if self.noise_aware and (method != "dp_optimisation" or self.family == "low_rank"):
+        if self.noise_aware and (method != "dp_optimisation" or self.family == "low_rank"
+                                 or self.optimizer != "private_newton"):
             raise SettingsError("noise-aware is available for method='dp_optimisation' with family 'mean_field' or "
-                                "'full_rank'")
+                                "'full_rank' and optimizer 'private_newton'")
         if self.optimizer == "private_newton" and (method != "dp_optimisation" or self.family == "low_rank"):
             raise SettingsError("optimizer='private_newton' is the local step of method='dp_optimisation' with family "
                                 "'mean_field' or 'full_rank'")

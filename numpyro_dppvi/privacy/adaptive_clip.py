@@ -32,6 +32,7 @@ from typing import NamedTuple
 
 import jax
 import jax.numpy as jnp
+import numpy as np
 
 from .events import GaussianEvent, check_neighbouring
 from .noise import add_gaussian_noise
@@ -52,11 +53,19 @@ class AdaptiveClip:
         ``f = 0.01`` makes the gradient noise 0.5% larger and the count noise std ``10 z``
         times its sensitivity (5 counts at ``z = 1`` under add/remove; Andrew et al. suggest
         ``m / 20``, i.e. 5 for batches of 100).
+      noise_scaled_rate: the geometric step is ``learning_rate * min(1, 0.1 / s_b)``, ``s_b`` the std of the
+        noisy fraction ``b_t / m`` (public: the count's noise std over the expected batch). Where the count's noise
+        swamps the fraction (large noise multipliers: ``s_b = 10 z / m``), the plain step makes ``log C`` a random
+        walk of ``learning_rate * s_b`` a step (measured: 400 steps at ``z = 37``, batches of 100, took the clip to
+        ``e^+-15``); the scaled one bounds it at ``0.1 learning_rate`` a step, still moving ``log C`` by ``0.1
+        learning_rate / s_b`` per unit of quantile error. False (Andrew et al.'s rule) by default;
+        :data:`~numpyro_dppvi.privacy.config.AUTO_CLIP` sets it.
     """
 
     target_quantile: float = 0.5
     learning_rate: float = 0.2
     count_budget_fraction: float = 0.01
+    noise_scaled_rate: bool = False
 
     def __post_init__(self):
         for name, low, high in (
@@ -121,22 +130,32 @@ def adaptive_clip_events(
     ]
 
 
+#: The std of the noisy fraction below which :attr:`AdaptiveClip.noise_scaled_rate` keeps the full step.
+FRACTION_NOISE = 0.1
+
+
 def adaptive_clip_init(
     clip: float,
     expected_batch_size: float,
     count_noise_std: float,
     target_quantile: float = 0.5,
     learning_rate: float = 0.2,
+    noise_scaled_rate: bool = False,
 ) -> AdaptiveClipState:
     """Initial state. ``count_noise_std = z_b * count_sensitivity(relation)``; the expected batch
-    size is ``q n`` (Poisson) or the fixed batch size (without replacement)."""
+    size is ``q n`` (Poisson) or the fixed batch size (without replacement). ``noise_scaled_rate``: the
+    learning rate times ``min(1, FRACTION_NOISE / s_b)``, ``s_b = count_noise_std / expected_batch_size``
+    (:class:`AdaptiveClip`)."""
+    if noise_scaled_rate:
+        learning_rate = learning_rate * min(1.0, FRACTION_NOISE * expected_batch_size / count_noise_std)
     for name, value in (("clip", clip), ("expected_batch_size", expected_batch_size),
                         ("count_noise_std", count_noise_std), ("learning_rate", learning_rate)):
         if isinstance(value, (int, float)) and not (math.isfinite(value) and value > 0):
             raise ValueError(f"{name} must be a finite number > 0, got {value}.")
     if isinstance(target_quantile, (int, float)) and not 0 < target_quantile < 1:
         raise ValueError(f"target_quantile must lie in (0, 1), got {target_quantile}.")
-    f32 = lambda x: jnp.asarray(x, dtype=jnp.float32)  # noqa: E731
+    # host values stay NumPy (no one-operation device programs at set-up); traced ones stay JAX
+    f32 = lambda x: np.float32(x) if isinstance(x, (int, float)) else jnp.asarray(x, dtype=jnp.float32)  # noqa: E731
     return AdaptiveClipState(
         f32(clip), f32(target_quantile), f32(learning_rate), f32(count_noise_std),
         f32(expected_batch_size),

@@ -23,7 +23,7 @@ import numpy as np
 import optax
 from tqdm.auto import tqdm
 
-from .. import diagnostics, factors, keys
+from .. import diagnostics, factors, keys, objectives
 from ..data import pad_clients, validate_clients
 from ..diagnostics import ADVICE, LOW_RANK_ADVICE, convergence_advice
 from ..evaluation import evaluate
@@ -38,7 +38,8 @@ from ..results import DPPVIResult
 from . import noise_aware
 from . import plan as plan_module
 from . import resume as resume_module
-from .defaults import (DEFAULT_LOCAL_STEPS, DEFAULT_OPTIMIZER, FAILED_UPDATES_TOLERATED, METHOD_DEFAULTS, METHODS,
+from .defaults import (DEFAULT_LOCAL_STEPS, DEFAULT_OPTIMIZER, FAILED_UPDATES_TOLERATED,
+                       METHOD_DEFAULTS, METHODS, NEWTON_MAX_DIM, PRIVATE_NEWTON_DEFAULTS,
                        MIN_ROUNDS, PRIVACY_UNITS, UPDATE_METHODS, default_schedule, did_you_mean, shards_of_batch)
 from .plan import RoundSpec, model_adapter, round_program
 from .privacy_plan import check_subsampled
@@ -153,17 +154,25 @@ class DPPVI:
         schedule = default_schedule(method, trusted_aggregator, privacy_unit) if schedule is None else schedule
         if family in ("full_rank", "low_rank") and optimizer is None and method != "dp_optimisation":
             optimizer = Newton()
-        if method == "dp_optimisation" and optimizer is None and family in ("mean_field", "full_rank"):
-            optimizer = PrivateNewton()
+        # DP optimisation with a mean-field or full-rank q and no optimizer: the local step is chosen by the model's
+        # dimension once the model is traced (_resolve_local_step)
+        self.auto_local_step = method == "dp_optimisation" and optimizer is None and family in ("mean_field",
+                                                                                                 "full_rank")
+        self.given = {"damping": damping, "tail_average": tail_average, "noise_aware": noise_aware}
         if isinstance(optimizer, PrivateNewton) and (method != "dp_optimisation" or family == "low_rank"):
             raise ValueError("optim.PrivateNewton is the local step of method='dp_optimisation' with family "
                              "'mean_field' or 'full_rank'; leave optimizer out for the method's default")
-        supported = method == "dp_optimisation" and family in ("mean_field", "full_rank") and privacy is not None
+        supported = method == "dp_optimisation" and family in ("mean_field", "full_rank") and privacy is not None \
+            and (self.auto_local_step or isinstance(optimizer, PrivateNewton))
         if noise_aware and not supported:
             raise ValueError(
                 f"noise_aware=True is available for method='dp_optimisation' with family 'mean_field' or 'full_rank' "
-                f"(got method={method!r}, family={family!r}{'' if privacy is not None else ', no privacy'}); "
-                "leave noise_aware out (None) to use it where it is available")
+                f"and optim.PrivateNewton local steps (got method={method!r}, family={family!r}, optimizer="
+                f"{type(optimizer).__name__ if optimizer is not None else None}"
+                f"{'' if privacy is not None else ', no privacy'}); leave noise_aware out (None) to use it where it "
+                "is available, or pass optimizer=optim.PrivateNewton()")
+        if isinstance(optimizer, PrivateNewton):
+            defaults = dict(defaults, **PRIVATE_NEWTON_DEFAULTS)
         optimizer = defaults.get("optimizer", DEFAULT_OPTIMIZER) if optimizer is None else optimizer
         local_steps = defaults.get("local_steps", DEFAULT_LOCAL_STEPS) if local_steps is None else local_steps
         damping = defaults.get("damping", 1.0) if damping is None else damping
@@ -178,6 +187,8 @@ class DPPVI:
             raise ValueError(f"unknown invalid-update rule {invalid!r}; choose one of {INVALID_RULES}")
         if privacy is not None and not isinstance(privacy, Privacy):
             raise TypeError("privacy must be dppvi.Privacy(...) or None")
+        if privacy is not None:  # adaptive_clip="auto": adaptive where per-example gradients are clipped
+            privacy = privacy.resolved(per_example=method == "dp_optimisation")
         if method == "dp_optimisation":
             if privacy is None:
                 raise TypeError(f"method={method!r} needs privacy=dppvi.Privacy(...) (a budget or a noise multiplier)")
@@ -275,12 +286,14 @@ class DPPVI:
             self.adapter.validate_data(c, f"client {m}")
         self.num_clients = len(clients)
         a = self.adapter
-        # noise coordinates of one release: a change of (eta1, eta2), or DP-SGD's gradient of (loc, log_scale) or
-        # of the full-rank (loc, log_diag, offdiag), as many: 2 D or D (D + 3) / 2
+        # noise coordinates of one release: a change of (eta1, eta2) (2 D, D (D + 3) / 2, ...), or DP-SGD's pair
+        # release, 2 P D (objectives.pair_release_dimension)
         if self.family == "low_rank":
             self.rank = factors.resolved_rank(a.dim, self.rank)
-        dimension = (factors.num_parameters if self.method == "dp_optimisation" else factors.num_coordinates)(
-            a.dim, self.family, self.rank or 0)
+        if self.auto_local_step:
+            self._resolve_local_step(a.dim)
+        dimension = (objectives.pair_release_dimension(a.dim, self.num_samples) if self.method == "dp_optimisation"
+                     else factors.num_coordinates(a.dim, self.family, self.rank or 0))
         declared = self.declared_sizes is not None and self.privacy_unit != "client"
         if self.method in UPDATE_METHODS:
             layout = self.shard_layout(clients, key_data, counts=shard_counts(sizes, self.shards) if declared else None)
@@ -440,6 +453,28 @@ class DPPVI:
             for m in range(self.num_clients):
                 self.ledger.record(m, self.plan.event(m, 1))
         return q_m
+
+    def _resolve_local_step(self, dim: int):
+        """DP optimisation's local step when no optimizer is given, by the model's dimension ``D``
+        (:data:`~.defaults.NEWTON_MAX_DIM`): :class:`~numpyro_dppvi.optim.PrivateNewton` with the noise-aware
+        answer (damping 1, :mod:`.noise_aware`) up to it; above it, or with ``noise_aware=False``, the optax default
+        with damping 0.5 and the last iterate as the answer (the method's defaults), ``q`` as
+        fitted. (Newton points of the plain, unshrunk factor estimates are thrown about by the noise: measured on
+        the coverage study at epsilon 1, 2,000 rows, a posterior mean's RMSE of 12 against 0.22 noise-aware and
+        0.29-0.39 with the optax step.) Options the caller set are kept."""
+        newton = dim <= NEWTON_MAX_DIM and self.given["noise_aware"] is not False
+        chosen = PRIVATE_NEWTON_DEFAULTS if newton else METHOD_DEFAULTS["dp_optimisation"]
+        self.optimizer = PrivateNewton() if newton else DEFAULT_OPTIMIZER
+        if self.given["damping"] is None:
+            self.damping = float(chosen["damping"])
+        if self.given["tail_average"] is None:
+            self.tail_average = float(chosen["tail_average"])
+        if self.given["noise_aware"] is None:
+            self.noise_aware = newton and self.privacy is not None
+        elif self.given["noise_aware"] and not newton:
+            raise ValueError(f"noise_aware=True needs optim.PrivateNewton local steps, which are the default up to "
+                             f"{NEWTON_MAX_DIM} latent dimensions (this model has {dim}): pass "
+                             "optimizer=optim.PrivateNewton() to use them anyway, or leave noise_aware out")
 
     def settings(self) -> dict:
         """The data-independent settings of the fit (JSON): published as ``result.config`` and

@@ -27,10 +27,12 @@ def fit_dppvi(model, clients, *, method: str = "pvi", schedule: str | None = Non
     (``shards``, ``invalid``, ``precision_floor``, ``trusted_aggregator``, ``privacy_unit``, ``client_rate``,
     ``tail_average``, ``family``, ``rank``, ``noise_aware``).
 
-    ``noise_aware`` (None: wherever it is available, today ``method="dp_optimisation"`` with a mean-field or
-    full-rank ``q``): the result's ``q`` accounts for the uncertainty the privacy noise leaves in the fit
-    (:mod:`numpyro_dppvi.pvi.noise_aware`; post-processing of the releases, no privacy cost); ``False`` gives
-    ``q`` as fitted (``result.q_fitted`` holds it either way).
+    ``noise_aware`` (None: wherever it is available, today private ``method="dp_optimisation"`` with a mean-field
+    or full-rank ``q`` of up to :data:`~numpyro_dppvi.pvi.defaults.NEWTON_MAX_DIM` latent dimensions and no
+    optimizer given, or ``optimizer=optim.PrivateNewton()``): the local steps follow the Newton point of the
+    client's factor as its releases estimate it, and the result's ``q`` accounts for the uncertainty the privacy
+    noise leaves in the fit (:mod:`numpyro_dppvi.pvi.noise_aware`; post-processing of the releases, no privacy
+    cost; ``result.q_fitted`` is ``q`` as fitted). ``False`` gives the optax local step and ``q`` as fitted.
 
     Defaults (:data:`METHOD_DEFAULTS`): ``schedule`` sequential for ``"pvi"`` and ``"dp_optimisation"``,
     synchronous otherwise; ``rounds=None``: non-private fits run until ``q`` has converged (checked

@@ -332,8 +332,9 @@ class DPOptimisation(NonPrivate):
 
     @property
     def trace_answer(self) -> bool:
-        """The answer is the trace's factor estimate (:mod:`.noise_aware`) for mean-field and full-rank ``q``."""
-        return self.family in ("mean_field", "full_rank")
+        """The answer is the trace's factor estimate (:mod:`.noise_aware`) for mean-field and full-rank ``q`` with
+        :class:`~numpyro_dppvi.optim.PrivateNewton` steps; with an optax optimizer it is the (tail-averaged) iterate."""
+        return self.family in ("mean_field", "full_rank") and isinstance(self.optimizer, PrivateNewton)
 
     def clipped_sum(self, params, eps, rows, bmask, clip=None):
         """``sum_{i in B} clip_C(Gamma_i)`` of per-example, per-draw likelihood gradients over given rows

@@ -62,7 +62,7 @@ def fit_federated_vips(model, clients, *, privacy=None, rounds: int = 1, schedul
     rng_key = jax.random.wrap_key_data(key_data)
     ledger, sigma, clip, dimension = None, 0.0, None, 1
     if privacy is not None:
-        if privacy.adaptive_clip is not None:
+        if privacy.adaptive is not None:
             raise ValueError("VIPS clips every ESS block to its declared bound; adaptive_clip is not supported")
         dimension = noise_coordinates(_zero_factor(conjugate, data[0], conjugate.expected_natural_params(
             conjugate.prior_params())), tuple(conjugate.symmetric_blocks))

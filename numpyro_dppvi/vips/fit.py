@@ -95,9 +95,22 @@ def _non_private_batch(n: int, batch_size: int):
     return sample
 
 
+def release_noise_variance(rho: np.ndarray, scale: float, noise_std_rescaled: float, bounds: dict) -> dict:
+    """The variance, per coordinate of each ESS block, of the release noise left in the final natural parameters
+    of :func:`fit_vips`. With ``nu_T = prod_t (1 - rho_t) nu_0 + sum_t w_t target_t``, ``w_t = rho_t prod_{s > t}
+    (1 - rho_s)`` (the blending of Algorithm 1), and ``target_t`` holding ``scale (S_t + C_b e_t)`` with ``e_t`` of
+    std ``noise_std_rescaled`` independent across steps, the noise in block ``b`` has variance ``(scale C_b
+    noise_std_rescaled)^2 sum_t w_t^2``. Public: step sizes, the scale ``1 / rate``, bounds and the noise std."""
+    rho = np.asarray(rho, np.float64)
+    later = np.concatenate([np.cumprod((1.0 - rho)[::-1])[::-1][1:], [1.0]])  # prod_{s > t} (1 - rho_s)
+    total = float(np.sum(np.square(rho * later)))
+    return {name: (scale * float(bound) * noise_std_rescaled) ** 2 * total for name, bound in bounds.items()}
+
+
 def fit_vips(model, data, *, privacy=None, batch_size: int | None = None, steps: int | None = None,
              iterations: int | None = None,
-             tau0: float = 1.0, kappa: float = 0.7, rng_key=None, detect_options: dict | None = None):
+             tau0: float = 1.0, kappa: float = 0.7, rng_key=None, detect_options: dict | None = None,
+             noise_aware: bool | None = None):
     """Fit a conjugate-exponential model by (private) stochastic variational Bayes (VIPS).
 
     Args:
@@ -125,11 +138,18 @@ def fit_vips(model, data, *, privacy=None, batch_size: int | None = None, steps:
             :func:`~numpyro_dppvi.vips.detect.detect_conjugate` (``feature_bound``,
             ``target_bound``, ``count_bound``); needed for a private fit of the Normal,
             logistic and Poisson patterns.
+        noise_aware: None (default): for a private fit of a model that defines ``noise_aware_params`` (today
+            :class:`BayesianLinearRegression`), ``params`` account for the noise the releases left in the fit
+            (:func:`release_noise_variance`, the model's ``noise_aware_params``; post-processing of the released
+            parameters with the public noise std and step sizes, no privacy cost), and ``params_fitted`` holds
+            them as fitted. ``False``: ``params`` as fitted. ``True`` raises where it is not available.
 
     Returns:
         :class:`~numpyro_dppvi.vips.results.VIPSResult`.
     """
     numpyro_model, site_map, observed = None, None, None
+    if noise_aware not in (None, True, False):
+        raise TypeError(f"fit_vips: noise_aware must be None, True or False, got {noise_aware!r}")
     if not is_conjugate_model(model):
         if not callable(model):
             raise TypeError("model must be a ConjugateModel or a NumPyro model function.")
@@ -190,13 +210,25 @@ def fit_vips(model, data, *, privacy=None, batch_size: int | None = None, steps:
     params, trace = run(params, jax.random.split(key_steps, iterations), data)
     history = [{"step": t + 1, "rho": float(rho)} for t, rho in enumerate(np.asarray(trace["rho"]))]
 
+    available = release is not None and hasattr(model, "noise_aware_params")
+    if noise_aware and not available:
+        raise ValueError(f"fit_vips: noise_aware=True needs a private fit of a model with noise_aware_params "
+                         f"(BayesianLinearRegression); this is a {'private' if release is not None else 'non-private'} "
+                         f"fit of a {type(model).__name__}: leave noise_aware out")
+    fitted, variance = None, None
+    if release is not None:
+        variance = release_noise_variance(np.asarray(trace["rho"]), scale, release.noise_std_rescaled, release.bounds)
+    if available and noise_aware is not False:
+        fitted, params = params, model.noise_aware_params(params, variance)
+
     ledger = None
     if release is not None:
         ledger = release.record(seed=seed)
-    return VIPSResult(model=model, params=params, history=history, privacy=ledger,
+    return VIPSResult(model=model, params=params, history=history, privacy=ledger, params_fitted=fitted,
                       noise_multiplier=None if release is None else release.noise_multiplier,
                       numpyro_model=numpyro_model, site_map=site_map,
                       info={"num_data": size, "batch_size": int(batch_size), "iterations": iterations,
+                            "noise_aware": fitted is not None, "release_noise_variance": variance,
                             "tau0": float(tau0), "kappa": float(kappa),
                             "joint_clip": None if bounds is None else joint_sensitivity(bounds),
                             **({"observed": observed} if observed else {})})

@@ -146,6 +146,22 @@ class BayesianLinearRegression(_BoundedXY, ConjugateModelBase):
     def postprocess_noisy_ess(self, ess_total):
         return {**ess_total, "xx": project_psd(ess_total["xx"], 0.0)}
 
+    def noise_aware_params(self, params, noise_variance: dict):
+        """The posterior that accounts for the release noise left in ``params`` (Bernstein & Sheldon 2019 in the
+        Gaussian approximation; :func:`numpyro_dppvi.pvi.noise_aware.noisy_observation_factor`). The data part
+        of the fit is ``h = eta - Lambda0 m0`` (estimating ``X^T y / s^2``) and ``B = Lambda - Lambda0``
+        (estimating ``X^T X / s^2``). Given ``w``, ``X^T y / s^2 ~ N(B w, B)``; the release adds noise of
+        covariance ``V = noise_variance["xy"] I``, so ``h | w ~ N(B w, B + V)`` and the factor of ``w`` is
+        ``(B (B + V)^-1 h, B (B + V)^-1 B)``. The noise left in ``B`` is not modelled. Post-processing of the
+        released parameters and the public noise variance: no privacy cost."""
+        from ..pvi.noise_aware import noisy_observation_factor
+
+        prior = self.prior_params()
+        h, b = params["eta"] - prior["eta"], params["precision"] - prior["precision"]
+        noise = noise_variance["xy"] * jnp.eye(self.dim, dtype=b.dtype)
+        h, b = noisy_observation_factor(h, b, noise)
+        return {"eta": prior["eta"] + h, "precision": prior["precision"] + b}
+
     def validate_data(self, data):
         return _validate_xy(data, self.dim, type(self).__name__)
 

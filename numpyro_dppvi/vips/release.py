@@ -92,7 +92,7 @@ def plan_release(privacy: Privacy, block_bounds, n: int, batch_size: int, iterat
     if privacy.epsilon_max is not None:
         raise ValueError("epsilon_max is a per-client stop rule of federated fits; fit_vips runs a fixed "
                          "number of releases: give epsilon (the budget) or noise_multiplier instead.")
-    if privacy.adaptive_clip is not None:
+    if privacy.adaptive is not None:
         raise ValueError("VIPS clips every ESS block to its declared bound; adaptive_clip is not supported.")
     bounds = scale_bounds(block_bounds, privacy.clip)
     sampler, rate, overflow = make_sampler(privacy, n, batch_size, iterations, size)

@@ -60,6 +60,8 @@ class VIPSResult(Result):
         noise_multiplier: noise std / joint clip norm actually used (``None`` without privacy).
         numpyro_model: the NumPyro model the conjugate model was detected from, if any.
         site_map: for a detected model, how posterior draws map to the model's sites.
+        params_fitted: with a noise-aware fit (``fit_vips(noise_aware=...)``), the parameters as fitted, before the
+            noise-aware step made ``params`` account for the release noise; ``None`` otherwise.
     """
 
     kind = "VIPSResult"
@@ -72,10 +74,16 @@ class VIPSResult(Result):
     numpyro_model: Callable | None = None
     site_map: Callable | None = None
     info: dict = field(default_factory=dict)
+    params_fitted: Any = None
 
     def __post_init__(self):
         if self.privacy is None:
             self.privacy = NotPrivate()
+
+    @property
+    def noise_aware(self) -> bool:
+        """Whether ``params`` account for the release noise (``params_fitted`` holds them as fitted)."""
+        return self.params_fitted is not None
 
     @property
     def epsilon(self) -> float | None:
@@ -140,7 +148,8 @@ class VIPSResult(Result):
                 "site_map": None if self.site_map is None else {
                     "names": list(self.site_map.names), "shapes": [list(s) for s in self.site_map.shapes],
                     "source": self.site_map.source}}
-        checkpoint.save(path, {"params": self.params}, meta, hmac_key=hmac_key)
+        arrays = {"params": self.params, **({} if self.params_fitted is None else {"params_fitted": self.params_fitted})}
+        checkpoint.save(path, arrays, meta, hmac_key=hmac_key)
 
     @classmethod
     def from_saved(cls, arrays, meta, model, path="the file") -> "VIPSResult":
@@ -158,11 +167,15 @@ class VIPSResult(Result):
         else:
             conjugate = model_from_config(meta["model"], registry)
             numpyro_model = model
-        params = checkpoint.unflatten_like({"params": conjugate.prior_params()}, arrays)["params"]
+        fitted = any(name.startswith("['params_fitted']") for name in arrays)
+        template = {"params": conjugate.prior_params(), **({"params_fitted": conjugate.prior_params()} if fitted else {})}
+        restored = checkpoint.unflatten_like(template, arrays)
+        params = restored["params"]
         layout = meta["site_map"]
         site_map = None if layout is None else SiteLayout(tuple(layout["names"]),
                                                           tuple(tuple(s) for s in layout["shapes"]), layout["source"])
         ledger = None if meta["privacy"] is None else PrivacyLedger.from_dict(meta["privacy"])
         return cls(model=conjugate, params=jax.tree_util.tree_map(jnp.asarray, params), history=meta["history"],
                    privacy=ledger, noise_multiplier=meta["noise_multiplier"], numpyro_model=numpyro_model,
-                   site_map=site_map, info=meta["info"])
+                   site_map=site_map, info=meta["info"],
+                   params_fitted=jax.tree_util.tree_map(jnp.asarray, restored["params_fitted"]) if fitted else None)

@@ -105,8 +105,11 @@ def one_client(state, m=0):
 
 @functools.lru_cache  # set-up (model trace, plan, init) shared by an audit and its planted bugs
 def dp_optimisation_setup(neighbouring="add_remove", steps=2, n=10, batch=5, noise_multiplier=1.0,
-                          family="mean_field"):
-    privacy = Privacy(noise_multiplier=noise_multiplier, clip=CLIP, delta=DELTA, neighbouring=neighbouring)
+                          family="mean_field", adaptive_clip=None):
+    """A fixed clip by default (the planted bugs act on it); ``adaptive_clip="auto"`` audits the default, whose
+    gradient noise follows the clip state (``noise_per_clip * C_t``) at its initial clip ``CLIP``."""
+    privacy = Privacy(noise_multiplier=noise_multiplier, clip=CLIP, delta=DELTA, neighbouring=neighbouring,
+                      adaptive_clip=adaptive_clip)
     d = dppvi.DPPVI(linreg, method="dp_optimisation", privacy=privacy, batch_size=batch, local_steps=steps,
                     rounds=1, num_samples=4, optimizer=optax.sgd(1e-2), family=family)
     state = d.init(jax.random.key(0), [planted_client(n)])
@@ -156,6 +159,17 @@ def test_dp_optimisation_audit(bug):
     mechanism = dp_optimisation_mechanism(d, state, rule, noise_scale=0.1 if bug == "noise / 10" else 1.0)
     result = audit(mechanism, *dp_optimisation_pair(d, "add_remove"), jax.random.key(10), DELTA, num_runs=RUNS)
     check("dp_optimisation", f"add/remove, bug: {bug}", result, claim, expect_exceeds=bug != "none")
+
+
+@pytest.mark.slow
+def test_dp_optimisation_audit_with_the_default_adaptive_clip():
+    """The default ``adaptive_clip="auto"``: the gradient part of the joint release (its noise ``noise_per_clip
+    C_t``, a little above the fixed clip's: the count takes its share of the budget) is within the claim."""
+    d, state, claim = dp_optimisation_setup(adaptive_clip="auto")
+    assert "clip" in one_client(state)
+    mechanism = dp_optimisation_mechanism(d, state)
+    result = audit(mechanism, *dp_optimisation_pair(d, "add_remove"), jax.random.key(13), DELTA, num_runs=RUNS)
+    check("dp_optimisation", "add/remove, adaptive clip, bug: none", result, claim, expect_exceeds=False)
 
 
 @pytest.mark.slow

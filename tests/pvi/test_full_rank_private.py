@@ -113,15 +113,15 @@ def test_dp_optimisation_refuses_newton_steps_with_the_fix():
 def test_a_full_rank_dp_sgd_step_without_noise_is_the_gradient_of_the_local_objective():
     """DP optimisation with a full-rank ``q`` moves ``(loc, log diag L, L below the diagonal)``: with every row
     in the batch (rate 1), a clip no gradient reaches and zero noise, the private step's gradient is the
-    gradient of ``-L_m / n_m`` (``objectives.local_elbo``) by autodiff, to float32 rounding; its noise has
-    ``D (D + 3) / 2`` coordinates, as many as the release of a full-rank factor change."""
+    gradient of ``-L_m / n_m`` (``objectives.local_elbo``) by autodiff, to float32 rounding (the gradients are
+    read from the pair release: aligned gradients); its noise has the pair release's ``2 P D`` coordinates."""
     data = correlated_data()
     clients = split(data)
     fit = dppvi.DPPVI(linear, method="dp_optimisation", family="full_rank", batch_size=5, rounds=1, num_samples=4,
-                      privacy=dppvi.Privacy(noise_multiplier=1.0, clip=1e6))
+                      privacy=dppvi.Privacy(noise_multiplier=1.0, clip=1e6, adaptive_clip=None))
     state = fit.init(jax.random.key(0), clients)
     dim = data[0].shape[1]
-    assert fit.plan.dimension == dim * (dim + 3) // 2
+    assert fit.plan.dimension == objectives.pair_release_dimension(dim, fit.num_samples)
     q = factors.Gaussian(jnp.asarray(np.arange(dim) * 0.1, jnp.float32),
                          jnp.asarray(-0.5 * (4.0 * np.eye(dim) + 0.5), jnp.float32))
     params = factors.to_params(q)

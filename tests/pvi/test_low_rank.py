@@ -254,7 +254,7 @@ def test_private_global_vi_with_a_low_rank_q_gets_most_of_the_correlation():
     regression: sds 0.7-1.25 of the exact posterior's (mean-field: at most 0.42) and the mean within 0.25 sd.
     Measured over keys 0-2 at 4000 steps: 0.74-0.90 (full-rank 0.89-1.01), means within 0.17 sd; the rank-1
     parameters ``(loc, log s, W)`` converge more slowly than the Cholesky factor (12000 steps: 0.90-1.01). The
-    event's noise coordinates are the parameters', ``2 D + D r``."""
+    event's noise coordinates are the pair release's, ``2 P D`` (``objectives.pair_release_dimension``)."""
     import optax
 
     data = correlated_data()
@@ -262,13 +262,14 @@ def test_private_global_vi_with_a_low_rank_q_gets_most_of_the_correlation():
     sd = np.sqrt(np.diag(cov))
     result = dppvi.fit_global_vi(linear, split(data), family="low_rank", rank=1, steps=4000,
                                  optimizer=optax.adam(5e-3), batch_size=50, rng_key=jax.random.key(0),
-                                 privacy=dppvi.Privacy(noise_multiplier=1e-3, clip=1e3, accountant="rdp"))
+                                 privacy=dppvi.Privacy(noise_multiplier=1e-3, clip=1e3, accountant="rdp",
+                                                       adaptive_clip=None))  # no record clipped
     loc, precision = factors.mean_and_precision(result.q)
     ratios = np.sqrt(np.diag(np.linalg.inv(np.asarray(precision, np.float64)))) / sd
     assert np.all((ratios > 0.7) & (ratios < 1.25)), ratios
     assert np.max(np.abs(np.asarray(loc) - mean) / sd) < 0.25
     dim = len(sd)
-    assert {event.dimension for event in result.privacy.events(0)} == {2 * dim + dim * 1}
+    assert {event.dimension for event in result.privacy.events(0)} == {objectives.pair_release_dimension(dim, 10)}
     assert result.family == "low_rank" and result.privacy.epsilon > 0
 
 
@@ -277,12 +278,13 @@ def test_adult_at_epsilon_one_low_rank_matches_mean_field(adult):
     """UCI Adult, 10 clients, DP optimisation at epsilon 1 with the demo's settings: rank 10 (the default,
     round(sqrt(109))) within 0.01 of mean-field's test accuracy (measured 0.8462-0.8465 against 0.8463-0.8464,
     keys 0-1), the same epsilon (the accounting sees only the noise multiplier, the rate and the count; the
-    family adds noise coordinates, ``2 D + D r = 1308``, each charged the sampler's tail mass)."""
+    release has ``2 P D`` noise coordinates whatever the family, each charged the sampler's tail mass)."""
     import optax
 
     x, y, x_test, y_test = adult
     clients = dppvi.partition((x, y), num_clients=10, seed=0)
-    settings = dict(method="dp_optimisation", privacy=dppvi.Privacy(epsilon=1.0, delta=1e-5, clip=2.0),
+    settings = dict(method="dp_optimisation", privacy=dppvi.Privacy(epsilon=1.0, delta=1e-5, clip=2.0,
+                                                                    adaptive_clip=None),  # as measured
                     schedule="sequential", rounds=5, local_steps=20, batch_size=100, optimizer=optax.adam(1e-2),
                     damping=0.5, rng_key=jax.random.key(0), eval_data=(x_test, y_test))
     low = dppvi.fit_dppvi(logistic, clients, family="low_rank", **settings)
@@ -291,7 +293,7 @@ def test_adult_at_epsilon_one_low_rank_matches_mean_field(adult):
     assert abs(low.history[-1]["accuracy"] - mean_field.history[-1]["accuracy"]) < 0.01
     assert low.privacy.epsilon <= 1.0 and abs(low.privacy.epsilon - mean_field.privacy.epsilon) < 1e-6
     dim = int(np.shape(low.q.eta1)[0])
-    assert {e.dimension for m in range(10) for e in low.privacy.events(m)} == {2 * dim + 10 * dim}
+    assert {e.dimension for m in range(10) for e in low.privacy.events(m)} == {objectives.pair_release_dimension(dim, 10)}
 
 
 @pytest.mark.parametrize("method,settings,sd_tolerance,mean_tolerance", [
@@ -401,7 +403,7 @@ def test_low_rank_factors_stay_semi_definite_and_cavities_proper(name, rounds, a
 
 def test_a_private_low_rank_committee_charges_its_parameters():
     """A committee of DP-SGD client posteriors in the low-rank family: one participation per client, each step's
-    noise over the ``2 D + D r`` parameters ``(loc, log_scale, W)`` (D = 4, r = 2: 16), within the budget."""
+    noise over the pair release (``2 P D``, D = 4, 5 pairs: 40) and the adaptive clip's count, within the budget."""
     import optax
 
     clients = split(correlated_data(), num_clients=4)
@@ -411,5 +413,6 @@ def test_a_private_low_rank_committee_charges_its_parameters():
     assert result.family == "low_rank" and factors.rank_of(result.q) == 2 and bool(factors.is_proper(result.q))
     for m in range(4):
         (event,) = result.privacy.events(m)
-        assert event.dimension == factors.num_parameters(4, "low_rank", 2) == 16
+        # 5 pairs x (mean, difference) x D, and the default adaptive clip's count in the same Gaussian release
+        assert event.dimension == objectives.pair_release_dimension(4, 10) + 1 == 41
     assert max(result.privacy.epsilon_per_client) <= 1.0

@@ -33,10 +33,15 @@ def regression(n=400, dim=3, seed=0):
     return x, y
 
 
-def rule_and_state(x, y, noise_multiplier=1.0, clip=1e4, batch_size=100, num_samples=4, **options):
-    """A DP optimisation rule on one client (its state as ``fit_dppvi`` initialises it)."""
+def rule_and_state(x, y, noise_multiplier=1.0, clip=1e4, batch_size=100, num_samples=4, adaptive_clip="auto",
+                   **options):
+    """A DP optimisation rule with private Newton steps on one client (its state as ``fit_dppvi`` initialises
+    it)."""
+    from numpyro_dppvi.optim import PrivateNewton
+
+    privacy = Privacy(noise_multiplier=noise_multiplier, clip=clip, accountant="rdp", adaptive_clip=adaptive_clip)
     d = dppvi.DPPVI(linear, method="dp_optimisation", batch_size=batch_size, rounds=2, num_samples=num_samples,
-                    privacy=Privacy(noise_multiplier=noise_multiplier, clip=clip, accountant="rdp"), **options)
+                    privacy=privacy, optimizer=PrivateNewton(), **options)
     state = d.init(jax.random.key(0), [(x, y)])
     return d, jax.tree.map(lambda a: a[0], state.client_state), tuple(a[0] for a in d.data), d.mask[0], state.q
 
@@ -121,7 +126,7 @@ def test_the_noise_of_a_trace_answer_is_the_exactly_computable_one():
     it, as it should)."""
     x, y = regression(400)
     d, cs, arrays, mask, q = rule_and_state(x, y, noise_multiplier=0.2, clip=50.0, batch_size=100, num_samples=100,
-                                            local_steps=10, noise_aware=False)
+                                            local_steps=10, noise_aware=False, adaptive_clip=None)
     rule = d.rule
     cs = dict(cs, updates=jnp.ones((), jnp.int32))  # not a first update: every step is kept
     n = d.sizes[0]
@@ -170,12 +175,12 @@ def test_the_noise_aware_step_is_post_processing_of_the_releases():
     for t in range(rule.local_steps):
         draw_sums, eps, replay_cs = rule.released_draw_sums(factors.to_params(probe), jax.random.fold_in(key, t),
                                                             arrays, mask, replay_cs)
-        releases.append((draw_sums, eps))
+        releases.append((draw_sums, eps, replay_cs))  # with the clip's state, itself a release (adaptive clip)
         probe, sums, _ = rule.after_release(probe, sums, replay_cs, cavity, n, eps, draw_sums)
     # post-processing of the recorded releases, without the data
     probe, sums, estimates = q, (jnp.zeros(3), jnp.zeros((3, 3)), jnp.zeros(())), []
-    for draw_sums, eps in releases:
-        probe, sums, (_, estimate) = rule.after_release(probe, sums, replay_cs, cavity, n, eps, draw_sums)
+    for draw_sums, eps, released_cs in releases:
+        probe, sums, (_, estimate) = rule.after_release(probe, sums, released_cs, cavity, n, eps, draw_sums)
         estimates.append(estimate)
     stacked = jax.tree.map(lambda *xs: jnp.stack(xs), *estimates)
     replayed, _, replayed_state = rule.trace_answer_of(stacked, cavity, probe, replay_cs)
@@ -197,3 +202,32 @@ def test_a_mean_field_posterior_takes_the_marginal_variances_of_the_full_curvatu
     np.testing.assert_allclose(np.square(scale), np.diag(np.linalg.inv(precision)), rtol=1e-5)
     full = factors.to_full_rank(q)
     assert noise_aware.noise_aware_posterior(full, {"factor_curvature": curvature}) is full
+
+
+def test_the_local_step_is_chosen_by_the_models_dimension():
+    """Without an optimizer, DP optimisation takes private Newton steps and the noise-aware answer up to
+    ``NEWTON_MAX_DIM`` latent dimensions, and above it the optax default with damping 0.5 and ``q`` as fitted
+    (the curvature estimate's noise grows with the dimension: Adult, 110 coordinates, measured in
+    ``defaults.NEWTON_MAX_DIM``'s comment); options the caller sets are kept, and ``noise_aware=True`` above the
+    threshold without ``optim.PrivateNewton`` is refused with the fix."""
+    from numpyro_dppvi.optim import PrivateNewton
+    from numpyro_dppvi.pvi.defaults import DEFAULT_OPTIMIZER, NEWTON_MAX_DIM
+
+    privacy = Privacy(noise_multiplier=1.0, accountant="rdp")
+    common = dict(method="dp_optimisation", batch_size=20, rounds=1, local_steps=2, privacy=privacy,
+                  rng_key=jax.random.key(0))
+    for dim, newton in ((3, True), (NEWTON_MAX_DIM, True), (NEWTON_MAX_DIM + 1, False)):
+        x, y = regression(60, dim)
+        fit = dppvi.fit_dppvi(linear, [(x[:30], y[:30]), (x[30:], y[30:])], **common)
+        assert fit.noise_aware == newton and fit.config["noise_aware"] == newton
+        assert fit.config["damping"] == (1.0 if newton else 0.5)
+        d = dppvi.DPPVI(linear, **{k: v for k, v in common.items() if k != "rng_key"})
+        d.init(jax.random.key(0), [(x[:30], y[:30]), (x[30:], y[30:])])
+        assert isinstance(d.optimizer, PrivateNewton) if newton else d.optimizer is DEFAULT_OPTIMIZER
+        assert d.rule.trace_answer == newton
+    fit = dppvi.fit_dppvi(linear, [(x[:30], y[:30]), (x[30:], y[30:])], damping=0.3, **common)
+    assert fit.config["damping"] == 0.3 and not fit.noise_aware
+    with pytest.raises(ValueError, match="optimizer=optim.PrivateNewton"):
+        dppvi.fit_dppvi(linear, [(x[:30], y[:30]), (x[30:], y[30:])], noise_aware=True, **common)
+    forced = dppvi.fit_dppvi(linear, [(x[:30], y[:30]), (x[30:], y[30:])], optimizer=PrivateNewton(), **common)
+    assert forced.noise_aware
