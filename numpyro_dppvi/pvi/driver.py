@@ -461,7 +461,7 @@ class DPPVI:
         with damping 0.5 and the last iterate as the answer (the method's defaults), ``q`` as
         fitted. (Newton points of the plain, unshrunk factor estimates are thrown about by the noise: measured on
         the coverage study at epsilon 1, 2,000 rows, a posterior mean's RMSE of 12 against 0.22 noise-aware and
-        0.29-0.39 with the optax step.) Options the caller set are kept."""
+        0.32 with the optax step, benchmarks/results/coverage.json.) Options the caller set are kept."""
         newton = dim <= NEWTON_MAX_DIM and self.given["noise_aware"] is not False
         chosen = PRIVATE_NEWTON_DEFAULTS if newton else METHOD_DEFAULTS["dp_optimisation"]
         self.optimizer = PrivateNewton() if newton else DEFAULT_OPTIMIZER
