@@ -371,6 +371,11 @@ class DPPVI:
         thread (XLA's compiler runs without Python's lock) for a placeholder plan of the same shape
         (:meth:`_compile_ahead`); the calls that follow find them compiled. A calibration known at once
         (memoised, or a noise multiplier alone) needs no thread.
+
+        The compilation traces the model under NumPyro's effect handlers, whose stack is one list for the
+        whole process: no other model may run until it ends. So an accountant's error is raised only once
+        the compilation has ended (a fit caught and retried at once would otherwise trace its model into
+        the other thread's handlers: "all sites must have unique names").
         """
         rounds = self.planned_rounds
         if self.plan.calibrated_at_once(rounds):
@@ -381,11 +386,9 @@ class DPPVI:
             compiling = pool.submit(self._compile_ahead, initial_program, inputs, self._initial_extras(placeholder))
             try:
                 self.plan.calibrate(rounds)
-            except BaseException:
-                pool.shutdown(wait=False, cancel_futures=True)  # the error now; the compilation ends on its own
-                raise
+            finally:
+                pool.shutdown(wait=True)
             compiling.result()
-            pool.shutdown()
         if self.plan.kind == "client":
             self._server_noise_std = to_device(float32_at_least(self.plan.noise_std(0)), np.float32)
         plan_module.warn_if_noise_swamps(self)
