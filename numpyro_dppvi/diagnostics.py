@@ -48,6 +48,9 @@ MAX_JITTER_SD = 0.25
 FAR_SD = 0.5
 #: Noise-to-signal ratio of one release above which the noise is said to swamp the signal.
 NOISE_SWAMPS = 1.0
+#: Ratio of a noise-aware posterior's sd to the sd without the DP noise above which a fit warns that the
+#: noise dominates (pvi.noise_aware.widening): the noise then carries more than 3/4 of the variance.
+NOISE_WIDENS = 2.0
 #: Rounds per window of the drift test (two windows are compared for the rate).
 WINDOW = 10
 #: Family-wise false-alarm rate of the drift test over all coordinates.
@@ -55,7 +58,8 @@ FALSE_ALARM = 0.05
 
 
 class NoiseWarning(UserWarning):
-    """The calibrated noise of a private fit is larger than any signal a release can carry."""
+    """The calibrated noise of a private fit is larger than any signal a release can carry, or dominates
+    the width of its noise-aware posterior."""
 
 
 class ConvergenceWarning(UserWarning):

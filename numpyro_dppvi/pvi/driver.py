@@ -633,11 +633,33 @@ class DPPVI:
         self.convergence = self._convergence(trajectory, history)
         result = self._result(state, history)
         self._check_updates(result, history)
+        if rounds and self.noise_aware:
+            self._warn_if_noise_widens(state)
         if rounds:
             diagnostics.warn_if_unconverged(self.convergence, self.caller,
                                             *convergence_advice(self.caller, self.schedule, self.family,
                                                                 private=self.plan is not None))
         return result
+
+    def _warn_if_noise_widens(self, state: PVIState) -> None:
+        """Warn (:class:`~numpyro_dppvi.diagnostics.NoiseWarning`) when the releases' noise (the mechanism's and
+        the Poisson batches') dominates a noise-aware posterior: some coordinate's sd is more than :data:`~numpyro_dppvi.diagnostics.NOISE_WIDENS` times
+        what the clients' released curvature would give without the noise (:func:`.noise_aware.widening`,
+        post-processing of the releases). The intervals are honest, but most of their width is the noise."""
+        ratio = np.asarray(noise_aware.noise_widening(state.q, state.client_state))
+        if not float(ratio.max()) > diagnostics.NOISE_WIDENS:
+            return
+        worst = int(np.argmax(ratio))
+        sites = self.adapter.sites_of(ratio > diagnostics.NOISE_WIDENS)
+        batch = "" if self.caller == "fit_global_vi" else ", fewer clients with more data each"
+        warnings.warn(
+            f"{self.caller}: the noise of the releases (the DP mechanism's and the batches' sampling) dominates the "
+            f"posterior: its sds are up to {ratio[worst]:.2g} times what the clients' data would give without it "
+            f"(sites {sites}; the noise carries "
+            f"{1.0 - 1.0 / ratio[worst] ** 2:.0%} of the variance there). The intervals account for it, but they "
+            f"are wide because of it: a larger batch_size (the noise of a release is the same, its signal grows), a "
+            f"larger epsilon{batch}, or fewer rounds x local_steps for the same epsilon would narrow them.",
+            diagnostics.NoiseWarning, stacklevel=diagnostics.user_stacklevel())
 
     def _convergence(self, trajectory, history: list) -> dict:
         """:func:`diagnostics.convergence` of the last states, with the sites of drifting coordinates and of

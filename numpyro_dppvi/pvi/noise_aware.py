@@ -242,3 +242,43 @@ def posterior(q: Gaussian, client_state) -> Gaussian:
 
     program = cached(("noise-aware-posterior",), lambda: jax.jit(noise_aware_posterior))
     return program(q, {"factor_curvature": client_state["factor_curvature"]})
+
+
+def widening(q: Gaussian, client_state) -> jax.Array:
+    """How much the DP noise widens a noise-aware posterior: per coordinate (``[D]``), the ratio of its marginal
+    sd under the precision ``P = Lambda_prior + sum_m B'_m`` the clients answered with (their noisy-observation
+    factors, :func:`noisy_observation_factor`) to the sd under ``P_data = Lambda_prior + sum_m B+_m``, the same
+    clients' curvature estimates taken as exact (``B+``: ``B``'s eigenvalues floored at 0, :func:`semidefinite`;
+    ``B`` the mean of the estimates the last answer used). ``1`` where the noise is negligible; ``r`` where it carries ``1 - 1/r^2``
+    of the posterior variance. A mean-field ``q`` holds the prior's and the factors' diagonals in ``Lambda_q``
+    (:func:`noise_aware_posterior`). Ones where either precision is not positive definite. Post-processing of
+    the releases (module docstring)."""
+    shrunk = client_state["factor_curvature"]
+    raw = client_state["curvature_sum"] / jnp.maximum(client_state["factor_count"], 1.0)[:, None, None]
+    exact = jax.vmap(lambda b: semidefinite(b, full_rank=True))(raw)
+    full = factors.to_full_rank(q)
+    precision = -2.0 * full.eta2
+    if not factors.is_full_rank(q):
+        total = jnp.sum(shrunk, axis=0)
+        precision = precision + total - jnp.diag(jnp.diagonal(total))
+    data = precision - jnp.sum(shrunk, axis=0) + jnp.sum(exact, axis=0)
+
+    def marginal_variances(p):
+        chol = jnp.linalg.cholesky(0.5 * (p + p.T))
+        identity = jnp.eye(p.shape[0], dtype=p.dtype)
+        definite = jnp.all(jnp.isfinite(chol))
+        variances = jnp.diagonal(jax.scipy.linalg.cho_solve((jnp.where(definite, chol, identity), True), identity))
+        return variances, definite
+
+    (noisy, ok_noisy), (clean, ok_clean) = marginal_variances(precision), marginal_variances(data)
+    ratio = jnp.sqrt(noisy / clean)
+    return jnp.where(ok_noisy & ok_clean & jnp.all(jnp.isfinite(ratio)), ratio, jnp.ones_like(ratio))
+
+
+def noise_widening(q: Gaussian, client_state) -> jax.Array:
+    """:func:`widening`, jitted once per shape."""
+    from ..program_cache import cached
+
+    program = cached(("noise-aware-widening",), lambda: jax.jit(widening))
+    keys = ("factor_curvature", "curvature_sum", "factor_count")
+    return program(q, {k: client_state[k] for k in keys})

@@ -98,13 +98,14 @@ def first_fit_in_a_new_process(cache) -> dict:
 
 def test_the_first_fit_of_a_new_process_compiles_only_its_own_programs_and_reads_its_accounting(tmp_path):
     """A new process pays for the fit's own programs only: the model's traces, the initial state,
-    the round and the noise-aware posterior (set-up by transfers, not by dozens of one-operation programs: 61
+    the round, the noise-aware posterior and its widening by the noise (set-up by transfers, not by dozens of one-operation programs: 61
     before issue 13's second pass); with a persistent cache filled by an earlier process it computes no PLD (the
     accountant's answers are read, signed) and its ledger reports the same epsilon to the last bit."""
     empty = first_fit_in_a_new_process(tmp_path / "cache")
     warm = first_fit_in_a_new_process(tmp_path / "cache")
     for run in (empty, warm):
-        assert sorted(run["programs"]) == ["initial_state", "model_traces", "noise_aware_posterior", "round_step"]
+        assert sorted(run["programs"]) == ["initial_state", "model_traces", "noise_aware_posterior", "round_step",
+                                         "widening"]
     assert empty["accountant_runs"] >= 1 and warm["accountant_runs"] == 0
     assert warm["epsilon"] == empty["epsilon"]
 

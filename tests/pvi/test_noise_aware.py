@@ -231,3 +231,50 @@ def test_the_local_step_is_chosen_by_the_models_dimension():
         dppvi.fit_dppvi(linear, [(x[:30], y[:30]), (x[30:], y[30:])], noise_aware=True, **common)
     forced = dppvi.fit_dppvi(linear, [(x[:30], y[:30]), (x[30:], y[30:])], optimizer=PrivateNewton(), **common)
     assert forced.noise_aware
+
+
+def test_the_widening_by_the_noise_is_the_ratio_of_exactly_computable_sds():
+    """``widening``: a mean-field ``q`` of precision ``prior + diag(B')`` with one client's raw curvature ``B``
+    and shrunk ``B'``: the sds of ``Lambda_q + offdiag(B')`` over those of ``Lambda_q - B' + B`` (inverses
+    computed here in float64); full-rank ``q`` the same with its full precision; no noise gives ones."""
+    raw = np.array([[4.0, 1.0], [1.0, 2.0]])
+    shrunk = np.array([[1.0, 0.3], [0.3, 0.5]])
+    prior = np.eye(2)
+    state = {"factor_curvature": jnp.asarray(shrunk[None], jnp.float32),
+             "curvature_sum": jnp.asarray(3.0 * raw[None], jnp.float32), "factor_count": jnp.array([3.0])}
+    noisy_precision = prior + shrunk
+    clean_precision = prior + raw
+    expected = np.sqrt(np.diag(np.linalg.inv(noisy_precision)) / np.diag(np.linalg.inv(clean_precision)))
+    full = Gaussian(jnp.zeros(2), jnp.asarray(-0.5 * noisy_precision, jnp.float32))
+    mean_field = factors.from_loc_scale(jnp.zeros(2), jnp.asarray(1.0 / np.sqrt(np.diag(noisy_precision)), jnp.float32))
+    for q in (full, mean_field):
+        np.testing.assert_allclose(noise_aware.widening(q, state), expected, rtol=1e-5)
+    assert np.all(expected > 1.2)  # the case is not trivially near one
+    exact = dict(state, factor_curvature=jnp.asarray(raw[None], jnp.float32))
+    np.testing.assert_allclose(noise_aware.widening(Gaussian(jnp.zeros(2), jnp.asarray(-0.5 * clean_precision,
+                                                                                      jnp.float32)), exact),
+                               [1.0, 1.0], rtol=1e-5)
+
+
+def test_a_fit_whose_noise_dominates_the_posterior_warns_with_the_fix():
+    """Three coordinates, 2 x 100 rows, batches of 50, noise multiplier 30: the releases' noise carries most of
+    the posterior's variance (the widening is 3.1-3.8 by coordinate), and the fit says so (the noise's share
+    of the variance, the batch size as a fix); the same fit at noise multiplier 0.3 on 2 x 2,000 rows in
+    batches of 200 stays quiet (the widening is mostly the batches' sampling)."""
+    import warnings
+
+    from numpyro_dppvi.diagnostics import NoiseWarning
+
+    def fit(n, noise_multiplier, batch_size):
+        x, y = regression(2 * n)
+        return dppvi.fit_dppvi(linear, [(x[:n], y[:n]), (x[n:], y[n:])], method="dp_optimisation",
+                               batch_size=batch_size,
+                               rounds=4, local_steps=5, privacy=Privacy(noise_multiplier=noise_multiplier,
+                                                                        accountant="rdp"), rng_key=jax.random.key(1))
+
+    with pytest.warns(NoiseWarning, match=r"dominates the posterior.*carries \d+% of the variance.*batch_size"):
+        noisy = fit(100, 30.0, 50)
+    assert noisy.noise_aware
+    with warnings.catch_warnings():
+        warnings.simplefilter("error", NoiseWarning)
+        fit(2000, 0.3, 200)
