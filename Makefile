@@ -16,11 +16,12 @@ $(STAMP): pyproject.toml
 demo: $(STAMP)
 	$(BIN)/dppvi demo
 
+# one worker per core, each test file in one worker (its module fixtures built once, its tests in order)
 test: $(STAMP)
-	$(BIN)/python -m pytest -q -ra
+	$(BIN)/python -m pytest -q -ra -n auto --dist loadfile
 
 test-fast: $(STAMP)
-	$(BIN)/python -m pytest -q -m "not slow"
+	$(BIN)/python -m pytest -q -m "not slow" -n auto --dist loadfile
 
 bench: $(STAMP)
 	$(BIN)/dppvi bench
