@@ -15,7 +15,8 @@ last ``k = min(10, max(T // 2, 3))`` of the ``T`` steps seen (two windows from s
 the ``2D`` coordinates so that a fit whose steps are independent noise, e.g. the random walk of a
 noisy DP fit, is flagged with probability at most 5%; jitter about a fixed point is anti-correlated
 and passes less often still; a steady drift has a small ``sd`` and passes). For a drifting coordinate the rate ``r_i`` is the ratio of its mean
-steps over the last two windows, ``(m_i / m'_i)^(1/k)``; if the steps shrink geometrically the last
+steps over the last two windows, ``(m_i / m'_i)^(1/k)``, or the rate inside the last window where that is
+slower (:func:`rate_within`: a fast early transient makes the rate between windows too fast); if the steps shrink geometrically the last
 one is ``c_i = k |m_i| / sum_{j<k} r_i^-j`` and the remaining distance ``c_i r_i / (1 - r_i)``
 (infinite for ``r_i >= 1`` or a change of sign between the windows: the drift is not shrinking). The fit is *converged* when no coordinate's remaining distance exceeds
 :data:`CONVERGED_SD`. With a single window (fewer than ``2k`` rounds) the remaining distance of a
@@ -159,6 +160,7 @@ def convergence(trajectory: list, window: int = WINDOW, max_jitter: float | None
         same_sign = np.sign(older) == np.sign(mean)
         with np.errstate(divide="ignore", invalid="ignore"):
             rate = np.where(same_sign, np.abs(mean / older) ** (1.0 / k), np.inf)
+            rate = np.fmax(rate, rate_within(recent))
             last = np.abs(mean) * k / np.sum(rate[None, :] ** -np.arange(k)[:, None], axis=0)
             remaining = np.where(rate < 1.0, last * rate / (1.0 - rate), np.inf)
         distance = np.where(drifting, remaining, 0.0)
@@ -172,6 +174,21 @@ def convergence(trajectory: list, window: int = WINDOW, max_jitter: float | None
     if max_jitter is not None and out["jitter"] is not None and out["jitter"] > max_jitter:
         out["oscillating"], out["converged"] = True, False
     return out
+
+
+def rate_within(recent: np.ndarray) -> np.ndarray:
+    """Per coordinate, the rate of the steps inside the last window ``recent`` (``[k, C]``): the ratio of the
+    mean of its last ``h = k // 2`` steps to that of the ``h`` before, to the power ``1 / h``; NaN where the two
+    differ in sign or ``k < 4``. :func:`convergence` takes the slower of it and the rate between the windows:
+    steps that shrink fast early on (a fit leaving its prior, damped factors filling in) and slowly after make
+    the rate between windows too fast, and the remaining distance too short (measured: virtual clients with
+    damping 0.1 and 10 rounds were called converged 2.7 posterior sd from where 60 rounds took them)."""
+    h = recent.shape[0] // 2
+    if h < 2:
+        return np.full(recent.shape[1], np.nan)
+    late, early = recent[-h:].mean(0), recent[-2 * h:-h].mean(0)
+    with np.errstate(divide="ignore", invalid="ignore"):
+        return np.where(np.sign(late) == np.sign(early), np.abs(late / early) ** (1.0 / h), np.nan)
 
 
 def warn_if_unconverged(summary: dict, caller: str, advice: str, jitter_advice: str) -> None:

@@ -196,3 +196,19 @@ def test_rdp_accountant_is_quiet(caplog):
         eps = backends.epsilon(events, 1e-5, "add_remove", "rdp")
     assert np.isfinite(eps) and eps > 0
     assert not [r for r in caplog.records if "failed to converge" in r.getMessage()]
+
+
+def test_a_fast_transient_does_not_hide_a_slow_drift():
+    """Ten steps: five of a fast transient (``20 * 0.5^t``), then five of a slow drift (``0.2 * 0.9^t``). The
+    rate between the two windows (0.46) would put the remaining distance below ``CONVERGED_SD``; the rate inside
+    the last window is the drift's own, 0.9, and the remaining distance its exact ``c r / (1 - r)``
+    (virtual clients with damping 0.1 were called converged so, 2.7 sd from their fixed point)."""
+    steps = np.concatenate([20.0 * 0.5 ** np.arange(5), 0.2 * 0.9 ** np.arange(5)])
+    locs = np.concatenate([[0.0], np.cumsum(steps)])[:, None]
+    between = (steps[5:].mean() / steps[:5].mean()) ** (1 / 5)
+    last = steps[5:].mean() * 5 / np.sum(between ** -np.arange(5))
+    assert last * between / (1 - between) <= diagnostics.CONVERGED_SD  # what the rate between windows says
+    summary = diagnostics.convergence(trajectory_of(locs, np.zeros_like(locs)))
+    assert summary["rate"] == pytest.approx(0.9, rel=1e-9)
+    assert summary["distance"] == pytest.approx(steps[-1] * 0.9 / 0.1, rel=1e-9)
+    assert summary["converged"] is False
