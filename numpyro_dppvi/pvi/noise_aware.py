@@ -212,6 +212,24 @@ def damped_noise(noise: jax.Array, fresh: jax.Array, damping) -> jax.Array:
     return (1.0 - damping) ** 2 * noise + damping ** 2 * fresh
 
 
+def full_precision(q: Gaussian, curvature: jax.Array) -> jax.Array:
+    """The full precision behind ``q`` at the fixed point of clients answering with factors of total curvature
+    ``curvature`` (``[D, D]``): ``q``'s own for full-rank ``q``; for mean-field ``q``, ``Lambda_q`` (the prior's and
+    the factors' diagonals) plus ``curvature``'s off-diagonal entries (:func:`noise_aware_posterior`)."""
+    if factors.is_full_rank(q):
+        return -2.0 * q.eta2
+    return jnp.diag(-2.0 * q.eta2) + curvature - jnp.diag(jnp.diagonal(curvature))
+
+
+def marginal_variances(precision: jax.Array) -> tuple[jax.Array, jax.Array]:
+    """``(diag(precision^{-1}), definite)``: the marginal variances by a Cholesky solve, and whether
+    ``precision`` (symmetrised) is positive definite (the variances are meaningless where it is not)."""
+    chol = jnp.linalg.cholesky(0.5 * (precision + precision.T))
+    definite = jnp.all(jnp.isfinite(chol))
+    identity = jnp.eye(precision.shape[0], dtype=precision.dtype)
+    return jnp.diagonal(jax.scipy.linalg.cho_solve((jnp.where(definite, chol, identity), True), identity)), definite
+
+
 def noise_aware_posterior(q: Gaussian, client_state) -> Gaussian:
     """The noise-aware posterior of a fit whose clients answered with noisy-observation factors
     (:func:`noisy_observation_factor`, carried in their states as the full curvature ``B'_m``, stacked ``[M, D,
@@ -226,12 +244,7 @@ def noise_aware_posterior(q: Gaussian, client_state) -> Gaussian:
     releases (module docstring)."""
     if factors.is_full_rank(q):
         return q
-    curvature = jnp.sum(client_state["factor_curvature"], axis=0)
-    precision = jnp.diag(-2.0 * q.eta2) + curvature - jnp.diag(jnp.diagonal(curvature))
-    chol = jnp.linalg.cholesky(0.5 * (precision + precision.T))
-    definite = jnp.all(jnp.isfinite(chol))
-    identity = jnp.eye(precision.shape[0], dtype=precision.dtype)
-    variance = jnp.diagonal(jax.scipy.linalg.cho_solve((jnp.where(definite, chol, identity), True), identity))
+    variance, definite = marginal_variances(full_precision(q, jnp.sum(client_state["factor_curvature"], axis=0)))
     loc, scale = factors.to_loc_scale(q)
     return factors.from_loc_scale(loc, jnp.where(definite, jnp.sqrt(variance), scale))
 
@@ -256,20 +269,8 @@ def widening(q: Gaussian, client_state) -> jax.Array:
     shrunk = client_state["factor_curvature"]
     raw = client_state["curvature_sum"] / jnp.maximum(client_state["factor_count"], 1.0)[:, None, None]
     exact = jax.vmap(lambda b: semidefinite(b, full_rank=True))(raw)
-    full = factors.to_full_rank(q)
-    precision = -2.0 * full.eta2
-    if not factors.is_full_rank(q):
-        total = jnp.sum(shrunk, axis=0)
-        precision = precision + total - jnp.diag(jnp.diagonal(total))
+    precision = full_precision(q, jnp.sum(shrunk, axis=0))
     data = precision - jnp.sum(shrunk, axis=0) + jnp.sum(exact, axis=0)
-
-    def marginal_variances(p):
-        chol = jnp.linalg.cholesky(0.5 * (p + p.T))
-        identity = jnp.eye(p.shape[0], dtype=p.dtype)
-        definite = jnp.all(jnp.isfinite(chol))
-        variances = jnp.diagonal(jax.scipy.linalg.cho_solve((jnp.where(definite, chol, identity), True), identity))
-        return variances, definite
-
     (noisy, ok_noisy), (clean, ok_clean) = marginal_variances(precision), marginal_variances(data)
     ratio = jnp.sqrt(noisy / clean)
     return jnp.where(ok_noisy & ok_clean & jnp.all(jnp.isfinite(ratio)), ratio, jnp.ones_like(ratio))
