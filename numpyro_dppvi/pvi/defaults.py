@@ -62,8 +62,14 @@ NEWTON_MAX_DIM = 32
 #: of its factor estimated from its releases, averaged over its last half of the rounds (pvi.noise_aware), and
 #: damping would mix in the older, noisier estimates a second time; tail_average 0.5 for the iterate the answer
 #: starts from. Above :data:`NEWTON_MAX_DIM` the optax default (:data:`DEFAULT_OPTIMIZER`) with the method's
-#: defaults, ``q`` as fitted.
-PRIVATE_NEWTON_DEFAULTS = dict(damping=1.0, tail_average=0.5)
+#: defaults, ``q`` as fitted. 20 local steps a round: the estimates (h_t, B_t) depend on the probe ``q_t`` they are
+#: made at (for a non-Gaussian likelihood), and with 10 steps the early ones are made far from where the update
+#: ends, a deviation the steps' scatter does not see. Measured (coverage study's logistic regression, 10,000 rows,
+#: epsilon 1, 20 keys of one data set): the squared error of the private mean about the non-private one is 1.56x the
+#: variance the noise-aware posterior adds with 10 steps (up to 2.4x for the largest weights; 1.02x for a Gaussian
+#: likelihood), 0.98x with 20 steps, whose RMS error is also smaller (0.060 against 0.079); with 20 rounds of 10 steps
+#: instead, 1.44x.
+PRIVATE_NEWTON_DEFAULTS = dict(damping=1.0, tail_average=0.5, local_steps=20)
 #: Share of all client updates that may fail (non-finite, dropped) before a fit warns even when none
 #: failed in its last rounds.
 FAILED_UPDATES_TOLERATED = 0.05

@@ -78,7 +78,7 @@ class DPPVI:
         optimizer: an optax ``GradientTransformation`` for the local steps (default: ``optim.cvi()`` for
             ``"pvi"``, ``natural_gradient(0.5)`` for virtual clients, ``adam(1e-2)`` otherwise).
         local_steps: optimiser steps per client (per shard for update perturbation) per round (default
-            20 for ``"pvi"``, 10 otherwise).
+            20 for ``"pvi"`` and for DP optimisation's private Newton steps, 10 otherwise).
         batch_size: rows per local step (``None``: the client's whole data; DP optimisation: the
             expected Poisson batch, or the fixed batch without replacement).
         num_samples: Monte Carlo draws of ``q`` per step, shared across the batch.
@@ -158,7 +158,8 @@ class DPPVI:
         # dimension once the model is traced (_resolve_local_step)
         self.auto_local_step = method == "dp_optimisation" and optimizer is None and family in ("mean_field",
                                                                                                  "full_rank")
-        self.given = {"damping": damping, "tail_average": tail_average, "noise_aware": noise_aware}
+        self.given = {"damping": damping, "tail_average": tail_average, "noise_aware": noise_aware,
+                      "local_steps": local_steps}
         if isinstance(optimizer, PrivateNewton) and (method != "dp_optimisation" or family == "low_rank"):
             raise ValueError("optim.PrivateNewton is the local step of method='dp_optimisation' with family "
                              "'mean_field' or 'full_rank'; leave optimizer out for the method's default")
@@ -472,6 +473,8 @@ class DPPVI:
             self.damping = float(chosen["damping"])
         if self.given["tail_average"] is None:
             self.tail_average = float(chosen["tail_average"])
+        if self.given["local_steps"] is None:
+            self.local_steps = int(chosen.get("local_steps", DEFAULT_LOCAL_STEPS))
         if self.given["noise_aware"] is None:
             self.noise_aware = newton and self.privacy is not None
         elif self.given["noise_aware"] and not newton:

@@ -160,7 +160,8 @@ def test_the_noise_aware_step_is_post_processing_of_the_releases():
     differently from the update's one program)."""
     x, y = regression(300)
     clients = [(x[:150], y[:150]), (x[150:], y[150:])]
-    fits = [dppvi.fit_dppvi(linear, clients, method="dp_optimisation", batch_size=30, rounds=3,
+    # the same local steps on both sides (left out, private Newton steps take 20 and the optax step 10)
+    fits = [dppvi.fit_dppvi(linear, clients, method="dp_optimisation", batch_size=30, rounds=3, local_steps=10,
                             privacy=Privacy(epsilon=2.0), rng_key=jax.random.key(3), noise_aware=aware)
             for aware in (True, False)]
     assert fits[0].noise_aware and not fits[1].noise_aware
@@ -238,6 +239,13 @@ def test_the_local_step_is_chosen_by_the_models_dimension():
         chosen(NEWTON_MAX_DIM + 1, noise_aware=True)
     forced = chosen(NEWTON_MAX_DIM + 1, optimizer=PrivateNewton())
     assert forced.noise_aware and forced.rule.trace_answer
+    # local steps left out: 20 with private Newton steps (defaults.PRIVATE_NEWTON_DEFAULTS), 10 with optax, and
+    # the release plan counts the steps the rule takes
+    for dim, steps in ((3, 20), (NEWTON_MAX_DIM + 1, 10)):
+        d = dppvi.DPPVI(linear, **{k: v for k, v in common.items() if k != "local_steps"})
+        d.init(jax.random.key(0), split(*regression(60, dim)))
+        assert d.settings()["local_steps"] == d.rule.local_steps == steps
+        assert d.plan.event(0, 1).count == steps
     fit = dppvi.fit_dppvi(linear, split(*regression(60, 3)), rng_key=jax.random.key(0), **common)
     assert fit.noise_aware and fit.config["noise_aware"] and fit.config["damping"] == 1.0
     assert fit.q_fitted is not None
