@@ -189,10 +189,12 @@ def take_step(node: NodeSettings, state: ClientState, instruction: Instruction, 
     if i.method != "pvi":
         diagnostics["loss"] = loss  # DP optimisation reports the data-free part of its loss only
     # noise-aware DP optimisation: the factor's curvature as the releases estimate it (post-processing)
-    curvature = np.asarray(rule_state["factor_curvature"]) if i.settings.noise_aware and finite else None
+    aware = i.settings.noise_aware and finite
+    curvature = np.asarray(rule_state["factor_curvature"]) if aware else None
+    bias = np.asarray(rule_state["curvature_bias"]) if aware else None
     return Reply(node.client_id, "ok", delta, participations=fit["participations"],
                  ledger=None if state.ledger is None else state.ledger.to_dict(), diagnostics=diagnostics,
-                 curvature=curvature)
+                 curvature=curvature, curvature_bias=bias)
 
 
 def refusal_without_data(node: NodeSettings, fit: dict | None, i: Instruction,

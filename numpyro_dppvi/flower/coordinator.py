@@ -58,6 +58,7 @@ class ClientRecord:
     participations: int = 0
     stopped: str = ""  # why it takes no further part in this fit ("" while active)
     curvature: np.ndarray | None = None  # noise-aware DP optimisation: its factor's curvature, as it last reported
+    curvature_bias: np.ndarray | None = None  # and the part of it the estimate's own noise adds
 
 
 @dataclass
@@ -175,10 +176,12 @@ class Coordinator:
             return None
         if reply.curvature is not None:
             dim = np.shape(self.q.eta1)[0]
-            if np.shape(reply.curvature) != (dim, dim) or not np.all(np.isfinite(reply.curvature)):
-                log.dropped[client.index] = "a curvature that is not a finite [D, D] matrix"
+            bias = np.zeros_like(reply.curvature) if reply.curvature_bias is None else reply.curvature_bias
+            if any(np.shape(a) != (dim, dim) or not np.all(np.isfinite(a)) for a in (reply.curvature, bias)):
+                log.dropped[client.index] = "a curvature (or its bias) that is not a finite [D, D] matrix"
                 return None
             client.curvature = np.asarray(reply.curvature, np.float32)
+            client.curvature_bias = np.asarray(bias, np.float32)
         return as_numpy(reply.delta)
 
     def apply(self, changes: list[tuple[ClientRecord, Gaussian]]) -> None:
@@ -266,9 +269,11 @@ class Coordinator:
         q, fitted = self.q, None
         if self.settings.noise_aware:  # the fixed point of noise-aware factors; mean-field: its marginal variances
             dim = np.shape(self.q.eta1)[0]
-            curvature = np.stack([c.curvature if c.curvature is not None else np.zeros((dim, dim), np.float32)
-                                  for c in self.clients])
-            q, fitted = as_numpy(noise_aware.posterior(self.q, {"factor_curvature": curvature})), self.q
+            zero = np.zeros((dim, dim), np.float32)
+            curvature = np.stack([c.curvature if c.curvature is not None else zero for c in self.clients])
+            bias = np.stack([c.curvature_bias if c.curvature_bias is not None else zero for c in self.clients])
+            q, fitted = as_numpy(noise_aware.posterior(self.q, {"factor_curvature": curvature,
+                                                                "curvature_bias": bias})), self.q
         return DPPVIResult(self.adapter, q, list(self.history), method=self.method, schedule=self.schedule,
                            privacy=self.privacy(), config=self.config(), rounds=self.round, q_fitted=fitted)
 
@@ -279,6 +284,7 @@ class Coordinator:
         reported = [j for j, c in enumerate(self.clients) if c.curvature is not None]
         if reported:
             tree["curvatures"] = {str(j): self.clients[j].curvature for j in reported}
+            tree["curvature_biases"] = {str(j): self.clients[j].curvature_bias for j in reported}
         meta = {"kind": "FlowerServerCheckpoint", "format": CHECKPOINT_FORMAT, "fit_id": self.fit_id,
                 "model": self.model_ref, "method": self.method, "schedule": self.schedule,
                 "settings": self.settings.to_json(), "signature": [list(map(list, self.signature[0])),
@@ -301,8 +307,9 @@ class Coordinator:
         for j, info in enumerate(meta["clients"]):
             factor = saved_gaussian(arrays, f"['factors'][{j}]")
             curvature = arrays.get(f"['curvatures']['{j}']")
+            bias = arrays.get(f"['curvature_biases']['{j}']")
             coord.clients.append(ClientRecord(info["client_id"], j, None, info["num_rows"], factor, info["ledger"],
-                                              info["participations"], info["stopped"], curvature))
+                                              info["participations"], info["stopped"], curvature, bias))
         coord.round, coord.communications, coord.history = meta["round"], meta["communications"], meta["history"]
         return coord
 

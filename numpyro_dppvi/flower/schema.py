@@ -21,8 +21,9 @@ Client -> server, reply to ``train`` (:class:`Reply`):
   ``delta = rho (eta(q_new) - eta(q))`` (zeros when it refused or its update was not finite); low-rank: in the
   wider basis ``[B, E]`` of the client's answer, which the server widens ``B`` by before adding;
 * ``"curvature"`` (noise-aware DP optimisation only): ArrayRecord ``curvature``, the full ``[D, D]`` curvature of
-  the client's factor as its releases estimate it (:mod:`numpyro_dppvi.pvi.noise_aware`; post-processing of its
-  releases), from which the server gives a mean-field ``q`` its noise-aware marginal variances;
+  the client's factor as its releases estimate it, and ``bias``, the part of it that the estimate's own noise
+  adds (:func:`numpyro_dppvi.pvi.noise_aware.curvature_noise_bias`; both post-processing of its releases),
+  from which the server gives ``q`` its noise-aware (co)variances;
 * ``"diagnostics"``: MetricRecord of data-free values only (``update_finite``, ``factor_in_sync`` (not for
   low rank, whose factors the server truncates),
   and for DP optimisation the data-free part of the last local loss);
@@ -50,8 +51,9 @@ from ..factors import Gaussian, LowRank
 from .settings import LocalSettings
 
 #: 2: LocalSettings.tail_average; 3: LocalSettings.family ([D, D] eta2); 4: family "low_rank" (eta2 as diag, core,
-#: basis) and LocalSettings.rank; 5: LocalSettings.noise_aware and the reply's ``curvature``
-SCHEMA_VERSION = "numpyro_dppvi.flower/5"
+#: basis) and LocalSettings.rank; 5: LocalSettings.noise_aware and the reply's ``curvature``; 6: the reply's
+#: curvature ``bias``
+SCHEMA_VERSION = "numpyro_dppvi.flower/6"
 #: Message types: one local update; the introduction that maps a Flower node to a client.
 TRAIN = "train"
 HELLO = "query.hello"
@@ -89,6 +91,7 @@ class Reply:
     ledger: dict | None = None
     diagnostics: dict = field(default_factory=dict)
     curvature: np.ndarray | None = None
+    curvature_bias: np.ndarray | None = None
 
 
 @dataclass(frozen=True)
@@ -190,7 +193,9 @@ def encode_reply(reply: Reply) -> RecordDict:
                                 "ledger": _ledger_json(r.ledger)}),
     }
     if r.curvature is not None:
-        records["curvature"] = ArrayRecord({"curvature": Array(np.asarray(r.curvature, np.float32))})
+        bias = np.zeros_like(r.curvature) if r.curvature_bias is None else r.curvature_bias
+        records["curvature"] = ArrayRecord({"curvature": Array(np.asarray(r.curvature, np.float32)),
+                                            "bias": Array(np.asarray(bias, np.float32))})
     return RecordDict(records)
 
 
@@ -199,14 +204,15 @@ def decode_reply(records: RecordDict) -> Reply:
     if c["status"] not in STATUSES:
         raise SchemaError(f"status {c['status']!r} is not one of {STATUSES}")
     diagnostics = dict(_record(records, "diagnostics", MetricRecord))
-    curvature = None
+    curvature = bias = None
     if "curvature" in records:
         record = _record(records, "curvature", ArrayRecord)
-        if "curvature" not in record:
-            raise SchemaError("array record 'curvature' lacks its array 'curvature'")
-        curvature = record["curvature"].numpy()
+        for name in ("curvature", "bias"):
+            if name not in record:
+                raise SchemaError(f"array record 'curvature' lacks its array {name!r}")
+        curvature, bias = record["curvature"].numpy(), record["bias"].numpy()
     return Reply(str(c["client_id"]), str(c["status"]), _gaussian(records, "delta"), str(c["reason"]),
-                 str(c["detail"]), int(c["participations"]), _ledger(c["ledger"]), diagnostics, curvature)
+                 str(c["detail"]), int(c["participations"]), _ledger(c["ledger"]), diagnostics, curvature, bias)
 
 
 def encode_hello(hello: Hello) -> RecordDict:

@@ -327,6 +327,7 @@ class DPOptimisation(NonPrivate):
         square = jnp.zeros((self.dim, self.dim), jnp.float32)
         scalar = jnp.zeros((), jnp.float32)
         return {"factor_noise": square, "scatter_sum": square, "curvature_sum": square, "factor_curvature": square,
+                "curvature_spread_sum": square, "curvature_bias": square,
                 "information_sum": jnp.zeros(self.dim, jnp.float32), "factor_count": scalar, "dof": scalar,
                 "updates": jnp.zeros((), jnp.int32)}
 
@@ -481,7 +482,11 @@ class DPOptimisation(NonPrivate):
         (:func:`~.noise_aware.newton_answer`) from the iterate, inside a trust region of ``answer_radius`` sds
         (:func:`~.noise_aware.probe_step`; ``bound``: it held the answer back). Its noise is the pooled step
         covariance (:func:`~.noise_aware.step_covariance`) over the steps averaged; with ``damping < 1`` the
-        factor's noise follows the damped updates (:func:`~.noise_aware.damped_noise`)."""
+        factor's noise follows the damped updates (:func:`~.noise_aware.damped_noise`). The state also carries the
+        bias that the curvature's own noise gives the factor's precision (:func:`~.noise_aware.curvature_noise_bias`,
+        from the scatter of the per-step curvatures weighted by ``(B + V)^{-1}`` of their update, pooled like
+        ``c_t``'s; damped like the curvature), which the reported posterior takes off (the answer does not use
+        it)."""
         information, curvatures = estimates
         steps = self.local_steps
         first = client_state["updates"] == 0
@@ -503,17 +508,24 @@ class DPOptimisation(NonPrivate):
         dp_variance = jnp.square(self.noise_std_of(client_state) / client_state["rate"])  # of a_t's mean-pair block
         fresh = noise_aware.step_covariance(scatter_sum, dof, dp_variance) / count
         information = information_sum / count
+        weight = jnp.linalg.inv(noise_aware.semidefinite(curvature, True) + fresh
+                                + 1e-12 * jnp.eye(self.dim, dtype=curvature.dtype))
+        spread_sum = carried("curvature_spread_sum", noise_aware.curvature_spread(curvatures, keep, weight))
+        bias = noise_aware.curvature_noise_bias(curvature, fresh, spread_sum / jnp.maximum(dof, 1.0) / count)
         if self.noise_aware:
             information, curvature = noise_aware.noisy_observation_factor(information, curvature, fresh)
         answer, bound = answer_of(information, curvature)
         if self.damping != 1.0:
             fresh = noise_aware.damped_noise(client_state["factor_noise"], fresh, self.damping)
             curvature = (1.0 - self.damping) * client_state["factor_curvature"] + self.damping * curvature
+            bias = (1.0 - self.damping) * client_state["curvature_bias"] + self.damping * bias
         keep_finite = lambda new, old: jnp.where(jnp.all(jnp.isfinite(new)), new, old)
         client_state = dict(client_state, updates=client_state["updates"] + 1, factor_count=count,
                             information_sum=information_sum, curvature_sum=curvature_sum, scatter_sum=scatter_sum,
-                            dof=dof, factor_noise=keep_finite(fresh, client_state["factor_noise"]),
-                            factor_curvature=keep_finite(curvature, client_state["factor_curvature"]))
+                            dof=dof, curvature_spread_sum=spread_sum,
+                            factor_noise=keep_finite(fresh, client_state["factor_noise"]),
+                            factor_curvature=keep_finite(curvature, client_state["factor_curvature"]),
+                            curvature_bias=keep_finite(bias, client_state["curvature_bias"]))
         return answer, bound, client_state
 
     def noise_std_of(self, client_state):

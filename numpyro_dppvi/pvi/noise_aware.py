@@ -36,6 +36,15 @@ reports its marginal variances ``diag(P^{-1})`` (:func:`noise_aware_posterior`),
 reaches every coordinate through the full ``P`` (the other factors re-balance it). ``noise_aware=False`` answers
 with the plain factor and reports ``q`` as fitted.
 
+**The curvature's own noise** (:func:`curvature_noise_bias`): ``B`` in the factor is itself an estimate, ``B~ = B
++ d``, and ``B~ (B~ + V)^{-1} B~`` is convex in it, so on average it over-states the factor's precision, by
+``V T^{-1} E[d T^{-1} d] T^{-1} V`` to second order (``T = B + V``): where the releases' noise swamps a small
+curvature that is as large as the precision itself (measured: a factor of 2 on 200 rows a client at epsilon 1,
+and the private mean's error 2-3 times the variance the posterior gave it). The fit's fixed point does not
+depend on that precision (its mean solves ``Lambda_prior mu = sum_m B~_m T~_m^{-1} c_m(mu)``), so the clients
+answer as before and the reported posterior takes the bias, estimated from the scatter of the per-step
+curvatures (:func:`curvature_spread`), off ``P`` (:func:`noise_aware_posterior`).
+
 **Safeguards** (documented, counted rules): a factor's curvature is made positive semi-definite before the
 Newton step (:func:`semidefinite`); every move, of the steps' iterate and of the answer, stays in a trust region
 of the narrower sds (:func:`probe_step`; the history counts the answers it held back, ``trust_region_bound``).
@@ -147,6 +156,40 @@ def noisy_observation_factor(information: jax.Array, curvature: jax.Array, noise
     return gain @ information, 0.5 * (shrunk + shrunk.T)
 
 
+def curvature_spread(curvatures: jax.Array, keep: jax.Array, weight: jax.Array) -> jax.Array:
+    """``sum_t (B_t - B) A (B_t - B)`` over the steps with ``keep`` (``[K]`` bool) of the per-step curvature
+    estimates ``curvatures`` (``[K, D, D]``, symmetrised) about their mean ``B`` over those steps, for a
+    symmetric ``weight`` ``A`` (``[D, D]``): the scatter that :func:`curvature_noise_bias` reads the curvature's
+    own noise from (per step: ``E[(B_t - B) A (B_t - B)]`` is it over the degrees of freedom)."""
+    w = keep.astype(curvatures.dtype)
+    sym = 0.5 * (curvatures + jnp.swapaxes(curvatures, -1, -2))
+    mean = jnp.einsum("k,kde->de", w, sym) / jnp.maximum(jnp.sum(w), 1.0)
+    centred = (sym - mean) * w[:, None, None]
+    return jnp.einsum("kde,ef,kfg->dg", centred, weight, centred)
+
+
+def curvature_noise_bias(curvature: jax.Array, noise: jax.Array, spread: jax.Array) -> jax.Array:
+    """The bias that the noise of the curvature estimate ``B~ = B + d`` gives the noise-aware factor's precision
+    ``f(B~) = B~ (B~ + V)^{-1} B~`` (:func:`noisy_observation_factor`): with ``T = B + V``, ``f(B) = B - V + V T^{-1}
+    V`` and, to second order in ``d`` (zero mean),
+
+        E[f(B~)] - f(B) = V T^{-1} E[d T^{-1} d] T^{-1} V,                                                  (2)
+
+    ``spread`` the estimate of ``E[d T^{-1} d]`` (:func:`curvature_spread` over its degrees of freedom and the
+    steps averaged), ``T`` taken at ``B~`` (made positive semi-definite). Positive semi-definite. Where the
+    releases' noise swamps a small curvature (``V >> B``) ``f`` is nearly ``B^2 / V``, and the estimate's
+    relative noise ``r`` per entry, summed over the ``D`` entries that meet in ``d T^{-1} d``, over-states it by
+    about ``D r^2 / (1 + ...)``: measured, a factor of 2 on a 6-coordinate regression at epsilon 1 with 200 rows a
+    client, where the error of the private mean was 2-3 times the variance the plug-in posterior gave it."""
+    dim = curvature.shape[-1]
+    values, vectors = jnp.linalg.eigh(0.5 * (curvature + curvature.T))
+    total = (vectors * jnp.maximum(values, 0.0)) @ vectors.T + 0.5 * (noise + noise.T)
+    total = total + 1e-12 * jnp.eye(dim, dtype=curvature.dtype)
+    left = jnp.linalg.solve(total, 0.5 * (noise + noise.T))  # T^{-1} V
+    bias = left.T @ (0.5 * (spread + spread.T)) @ left
+    return 0.5 * (bias + bias.T)
+
+
 def probe_step(probe: Gaussian, target: Gaussian, step, radius: float = 1.0) -> tuple[Gaussian, jax.Array]:
     """A move from ``probe`` towards the Newton ``target`` (:func:`newton_answer`): the precision ``(1 - step)
     Lambda + step Lambda*`` (natural parameters), the mean moved ``step`` of the way to the target's inside a trust
@@ -230,6 +273,11 @@ def marginal_variances(precision: jax.Array) -> tuple[jax.Array, jax.Array]:
     return jnp.diagonal(jax.scipy.linalg.cho_solve((jnp.where(definite, chol, identity), True), identity)), definite
 
 
+def curvature_bias_of(client_state) -> jax.Array:
+    """The clients' summed :func:`curvature_noise_bias` (``0`` for a state without it)."""
+    return jnp.sum(client_state["curvature_bias"], axis=0) if "curvature_bias" in client_state else 0.0
+
+
 def noise_aware_posterior(q: Gaussian, client_state) -> Gaussian:
     """The noise-aware posterior of a fit whose clients answered with noisy-observation factors
     (:func:`noisy_observation_factor`, carried in their states as the full curvature ``B'_m``, stacked ``[M, D,
@@ -241,10 +289,20 @@ def noise_aware_posterior(q: Gaussian, client_state) -> Gaussian:
     factors re-balance a change of one factor's ``eta1``: Gauss-Seidel on ``P``), which ``1 / diag(P)`` would miss
     (measured: half of the DP-induced variance on a 6-coordinate logistic regression). Where that ``P`` is not
     positive definite (noise in the off-diagonal estimates) ``q`` is returned as fitted. Post-processing of the
-    releases (module docstring)."""
-    if factors.is_full_rank(q):
+    releases (module docstring).
+
+    With the clients' ``curvature_bias`` (:func:`curvature_noise_bias`, stacked ``[M, D, D]``) in the state, ``P``
+    is taken less their sum, for either family (a full-rank ``q`` then keeps its mean and takes that precision;
+    as fitted where it is not positive definite)."""
+    if factors.is_full_rank(q) and "curvature_bias" not in client_state:
         return q
-    variance, definite = marginal_variances(full_precision(q, jnp.sum(client_state["factor_curvature"], axis=0)))
+    precision = full_precision(q, jnp.sum(client_state["factor_curvature"], axis=0)) - curvature_bias_of(client_state)
+    if factors.is_full_rank(q):
+        mean = factors.mean_and_precision(q)[0]
+        chol_ok = jnp.all(jnp.isfinite(jnp.linalg.cholesky(0.5 * (precision + precision.T))))
+        corrected = Gaussian(precision @ mean, -0.5 * precision)
+        return jax.tree.map(lambda a, b: jnp.where(chol_ok, a, b), corrected, q)
+    variance, definite = marginal_variances(precision)
     loc, scale = factors.to_loc_scale(q)
     return factors.from_loc_scale(loc, jnp.where(definite, jnp.sqrt(variance), scale))
 
@@ -254,7 +312,7 @@ def posterior(q: Gaussian, client_state) -> Gaussian:
     from ..program_cache import cached
 
     program = cached(("noise-aware-posterior",), lambda: jax.jit(noise_aware_posterior))
-    return program(q, {"factor_curvature": client_state["factor_curvature"]})
+    return program(q, {k: client_state[k] for k in ("factor_curvature", "curvature_bias") if k in client_state})
 
 
 def widening(q: Gaussian, client_state) -> jax.Array:
@@ -269,8 +327,8 @@ def widening(q: Gaussian, client_state) -> jax.Array:
     shrunk = client_state["factor_curvature"]
     raw = client_state["curvature_sum"] / jnp.maximum(client_state["factor_count"], 1.0)[:, None, None]
     exact = jax.vmap(lambda b: semidefinite(b, full_rank=True))(raw)
-    precision = full_precision(q, jnp.sum(shrunk, axis=0))
-    data = precision - jnp.sum(shrunk, axis=0) + jnp.sum(exact, axis=0)
+    precision = full_precision(q, jnp.sum(shrunk, axis=0)) - curvature_bias_of(client_state)
+    data = full_precision(q, jnp.sum(shrunk, axis=0)) - jnp.sum(shrunk, axis=0) + jnp.sum(exact, axis=0)
     (noisy, ok_noisy), (clean, ok_clean) = marginal_variances(precision), marginal_variances(data)
     ratio = jnp.sqrt(noisy / clean)
     return jnp.where(ok_noisy & ok_clean & jnp.all(jnp.isfinite(ratio)), ratio, jnp.ones_like(ratio))
@@ -281,5 +339,5 @@ def noise_widening(q: Gaussian, client_state) -> jax.Array:
     from ..program_cache import cached
 
     program = cached(("noise-aware-widening",), lambda: jax.jit(widening))
-    keys = ("factor_curvature", "curvature_sum", "factor_count")
-    return program(q, {k: client_state[k] for k in keys})
+    keys = ("factor_curvature", "curvature_sum", "factor_count", "curvature_bias")
+    return program(q, {k: client_state[k] for k in keys if k in client_state})
