@@ -140,7 +140,7 @@ def pinned_plan(node: NodeSettings, settings: LocalSettings, num_rows: int, dime
                 noise_multiplier: float) -> PrivacyPlan:
     """The plan of a fit under way, with the noise multiplier fixed at its first step (no calibration)."""
     return dp_sgd_plan(privacy_of(node, settings, noise_multiplier), [num_rows], settings.batch_size,
-                       settings.local_steps, settings.planned_rounds, dimension)
+                       settings.local_steps, settings.planned_rounds, dimension, budget_epsilon=node.epsilon)
 
 
 def make_rule(method: str, adapter: ModelAdapter, settings: LocalSettings, plan: PrivacyPlan | None):
@@ -154,7 +154,8 @@ def make_rule(method: str, adapter: ModelAdapter, settings: LocalSettings, plan:
         return DPOptimisation(a.log_lik_rows, a.dim, opt, settings.local_steps, settings.batch_size,
                               settings.num_samples, log_lik_row=a.log_lik_row_blocks, clip=p.clip,
                               sampling=p.sampling, max_batch=plan.max_batch, blocks=a.site_sizes, chunk=plan.chunk,
-                              average=settings.tail_average, family=settings.family, rank=rank,
+                              row_sampler=plan.row_sampler, average=settings.tail_average,
+                              family=settings.family, rank=rank,
                               damping=float(settings.damping), average_from=settings.planned_rounds // 2,
                               noise_aware=bool(settings.noise_aware))
     cls = {"full_rank": NonPrivateFullRank, "low_rank": NonPrivateLowRank}.get(settings.family, NonPrivate)

@@ -53,6 +53,12 @@ neighbour may hold one more row) plus the deviation bound; :func:`poisson_pad_si
 smallest pad with ``steps * P[Binomial(n + 1, q) > pad] <= overflow_tolerance``. Record ``p_t`` in
 the event's ``overflow_probability``; the ledger adds ``(1 + e^epsilon) sum_t p_t`` to the delta.
 
+**Row by row** (:func:`row_fold`): each valid row on its own 32 random bits, included iff they are below
+``inclusion_threshold(q)`` (probability ``t / 2^32 <= q``): exactly Poisson sampling at a rate at most the
+accounted one, with no float in the decision and nothing to charge; ``n`` random words a step. The plan
+uses it where the walk's charge would cost the budget's delta (:func:`~numpyro_dppvi.pvi.privacy_plan.
+walk_costs_delta`).
+
 Sampling without replacement (:func:`without_replacement_batch`)
 -----------------------------------------------------------------
 A uniformly random subset of exactly ``batch`` valid rows: the rows sorted by 64 fresh random
@@ -216,6 +222,37 @@ def poisson_fold(key, size_mask_or_n, rate, chunk: int, body, init):
         return i + 1, last, body(carry, indices, mask)
 
     return lax.while_loop(unfinished, next_chunk, (jnp.int32(0), jnp.float32(-1.0), init))[2]
+
+
+def row_fold(key, mask, rate, chunk: int, body, init):
+    """:func:`poisson_fold` with no deviation to charge: each valid row is included on its own 32 random bits,
+    ``bits < t`` with ``t = inclusion_threshold(rate)`` (probability ``t / 2^32 <= rate``: exactly Poisson
+    sampling at that rate, accounted at ``rate``, as the subsampled Gaussian's privacy only improves as the rate
+    decreases), and the sample is folded over ``chunk`` rows at a time in row order. ``mask``: the boolean
+    validity mask ``[rows]`` (static length). The cost is ``rows`` random words a step, against the walk's
+    ``~ q n``: the plan takes it where the walk's charge would cost the accountant delta
+    (:func:`~numpyro_dppvi.pvi.privacy_plan.dp_sgd_plan`)."""
+    mask = jnp.asarray(mask)
+    if mask.ndim != 1 or mask.dtype != jnp.bool_:
+        raise TypeError(f"row_fold takes the boolean validity mask [rows], got dtype {mask.dtype} shape {mask.shape}")
+    chunk = _static_int("chunk", chunk)
+    _check_rate(rate)
+    rows = mask.shape[0]
+    take = (jax.random.bits(key, (rows,), dtype=jnp.uint32) < inclusion_threshold(rate)) & mask
+    position = jnp.cumsum(take.astype(jnp.int32)) - 1
+    count = jnp.sum(take.astype(jnp.int32))
+    order = jnp.zeros(rows + chunk, jnp.int32).at[jnp.where(take, position, rows + chunk)].set(
+        jnp.arange(rows, dtype=jnp.int32), mode="drop")
+
+    def unfinished(state):
+        return state[0] * chunk < count
+
+    def next_chunk(state):
+        i, carry = state
+        indices = lax.dynamic_slice(order, (i * chunk,), (chunk,))
+        return i + 1, body(carry, indices, i * chunk + jnp.arange(chunk) < count)
+
+    return lax.while_loop(unfinished, next_chunk, (jnp.int32(0), init))[1]
 
 
 def poisson_fold_deviation(n: int, rate: float, chunk: int) -> float:

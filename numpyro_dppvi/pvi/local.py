@@ -28,7 +28,7 @@ from ..privacy.adaptive_clip import adaptive_clip_update_from_count, centred_cou
 from ..privacy.mechanisms import add_gaussian_noise, clipped_sum
 from ..privacy import noise
 from . import noise_aware
-from ..privacy.sampling import poisson_fold, without_replacement_batch
+from ..privacy.sampling import poisson_fold, row_fold, without_replacement_batch
 
 
 def shuffled_order(key: jax.Array, mask: jax.Array) -> jax.Array:
@@ -309,6 +309,7 @@ class DPOptimisation(NonPrivate):
     max_batch: int = 0  # the fixed batch of sampling without replacement
     blocks: tuple = None
     chunk: int = 8  # rows per chunk of a Poisson batch
+    row_sampler: bool = False  # Poisson batches row by row (sampling.row_fold) instead of the skips' walk
     family: str = "mean_field"  # "full_rank": q and the factors [D, D], parameters (loc, L) (factors.to_params)
     rank: int = 0  # family "low_rank": parameters (loc, log_scale, factor [D, r]), draws from D + r normals
     damping: float = 1.0  # the server's damping, for the noise covariance of the damped factor (noise_aware)
@@ -359,7 +360,7 @@ class DPOptimisation(NonPrivate):
                 return total + summed, count + centred_count(norms, chunk_mask, clip)
 
             zero = (jnp.zeros((2, self.pairs, self.dim), eps.dtype), jnp.zeros(()))
-            return poisson_fold(key, mask, rate, self.chunk, add_chunk, zero)
+            return (row_fold if self.row_sampler else poisson_fold)(key, mask, rate, self.chunk, add_chunk, zero)
         indices, bmask = without_replacement_batch(key, mask, self.max_batch)
         summed, norms = self.clipped_sum_and_norms(params, eps, take_rows(arrays, indices), bmask, clip)
         return summed, centred_count(norms, bmask, clip)

@@ -155,6 +155,7 @@ def privacy_plan_and_rule(driver, sizes, dimension: int, calibrate: bool = True)
         rule = DPOptimisation(a.log_lik_rows, a.dim, driver.optimizer, driver.local_steps, driver.batch_size,
                               driver.num_samples, log_lik_row=a.log_lik_row_blocks, clip=p.clip,
                               sampling=p.sampling, max_batch=plan.max_batch, blocks=a.site_sizes, chunk=plan.chunk,
+                              row_sampler=plan.row_sampler,
                               average=driver.tail_average, family=driver.family, rank=driver.rank or 0,
                               damping=driver.damping, average_from=(driver.planned_rounds or 1) // 2,
                               noise_aware=driver.noise_aware)

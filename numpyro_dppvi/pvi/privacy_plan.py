@@ -34,6 +34,7 @@ import numpy as np
 from ..privacy import GaussianEvent, Privacy, sensitivity
 from ..privacy import backends
 from ..privacy.ledger import extra_mass
+from ..privacy.config import DELTA_RESERVE
 from ..privacy.sampling import accounted_rate, fold_chunk, poisson_fold_deviation
 
 #: ``limits`` value of a client without a budget cap.
@@ -51,6 +52,7 @@ class PrivacyPlan:
     noise_multipliers: np.ndarray = None
     max_batch: int = 0  # the fixed batch of sampling without replacement
     chunk: int = 0  # rows per chunk of a Poisson batch (poisson_fold)
+    row_sampler: bool = False  # Poisson batches drawn row by row (sampling.row_fold), nothing charged to delta
     sensitivity_kind: str = "sum_of_records"  # of a shard release: "shard_update" (hashed shards) or per record
     calibrated_participations: int = 0  # noise calibrated so that this many participations meet the budget
 
@@ -176,8 +178,26 @@ def check_subsampled(batch_size: int, sizes, caller: str = "fit_dppvi") -> None:
                          f"batch_size <= {max(int(sizes.min()) // 2, 1)} {fix}")
 
 
+def walk_costs_delta(epsilon: float | None, delta: float, walk_charge: float) -> bool:
+    """Whether the geometric-skip walk (:func:`~numpyro_dppvi.privacy.sampling.poisson_fold`) would charge a
+    budget's delta more than its reserve (:data:`~numpyro_dppvi.privacy.config.DELTA_RESERVE`): ``(1 +
+    e^epsilon) walk_charge > DELTA_RESERVE delta``, ``walk_charge`` the planned participations' summed deviation
+    (``~ n 2^-48`` per step: large data, many steps, a large epsilon). The plan then draws each row on its own
+    bits (:func:`~numpyro_dppvi.privacy.sampling.row_fold`), which charges nothing: slower (``n`` random words a
+    step) but the whole delta goes to the accountant, where the walk would take it (or, past delta, make the
+    budget unmeetable). Without a budget (a noise multiplier alone) the walk's charge is reported, not spent."""
+    if epsilon is None:
+        return False
+    return (1.0 + math.exp(min(float(epsilon), 700.0))) * walk_charge > DELTA_RESERVE * delta
+
+
 def dp_sgd_plan(privacy: Privacy, sizes, batch_size: int, local_steps: int, rounds: int | None,
-                dimension: int, calibrate: bool = True) -> PrivacyPlan:
+                dimension: int, calibrate: bool = True, budget_epsilon: float | None = None) -> PrivacyPlan:
+    """The DP-SGD plan of clients of ``sizes``: the rates, the sampler and its charges, the noise calibrated to
+    ``rounds`` participations of ``local_steps`` steps. The sampler: Poisson by the geometric-skip walk, or row
+    by row where the walk would cost the budget delta (:func:`walk_costs_delta`; the budget's epsilon is
+    ``privacy.epsilon``, or ``budget_epsilon`` when the privacy is pinned to a noise multiplier, as on a Flower
+    node, so that both derive the same sampler)."""
     sizes = np.asarray(sizes, int)
     check_subsampled(batch_size, sizes)
     if privacy.sampling == "poisson":  # rates rounded up so that clients of nearly equal size share one
@@ -185,14 +205,20 @@ def dp_sgd_plan(privacy: Privacy, sizes, batch_size: int, local_steps: int, roun
     else:  # a fixed batch without replacement: the rate is exactly batch / n
         rates = batch_size / sizes
     chunk = fold_chunk(batch_size)
+    row_sampler = False
     if privacy.sampling == "poisson":  # never padded, never cut: only the skips' deviation is charged
         overflow = np.array([poisson_fold_deviation(int(n), float(q), chunk) for n, q in zip(sizes, rates)])
+        walk_charge = float(np.max(overflow, initial=0.0)) * local_steps * (rounds or 1)
+        row_sampler = walk_costs_delta(privacy.epsilon if budget_epsilon is None else budget_epsilon,
+                                       privacy.delta, walk_charge)
+        if row_sampler:
+            overflow = np.zeros(len(sizes))
     else:
         overflow = np.zeros(len(sizes))
     if privacy.adaptive_clip is not None:
         dimension += 1  # the noisy count of the private quantile estimate
     plan = PrivacyPlan(privacy, "dp_sgd", local_steps, rates, overflow, dimension, max_batch=int(batch_size),
-                       chunk=chunk)
+                       chunk=chunk, row_sampler=row_sampler)
     if calibrate:
         plan.calibrate(rounds)
     return plan

@@ -83,6 +83,36 @@ def test_poisson_sampler_rate_matches_ledger():
         assert event.count == 2 * 5
 
 
+def test_a_plan_whose_walk_would_cost_delta_draws_rows_and_charges_nothing():
+    """The geometric-skip walk charges ``~ n 2^-48`` per step to delta, times ``1 + e^epsilon``: one client of
+    2,000 rows, 100 steps a round for 10 rounds, at epsilon 8 that is ``2.8e-5 > delta = 1e-5`` (the budget
+    could not be met: fit_global_vi at epsilon 8 was refused so). The plan then draws Poisson batches row by
+    row (``row_sampler``, nothing charged), the rule it builds uses that sampler, the budget is met at the full
+    accounting delta and the ledger reports ``(8, 1e-5)``; at epsilon 1 the same walk costs under the reserve
+    and the plan keeps it (its charge in the events); a noise multiplier alone keeps it too (its charge is
+    reported, not spent)."""
+    import math
+
+    from numpyro_dppvi.privacy.config import DELTA_RESERVE, budget_delta
+    from numpyro_dppvi.pvi.privacy_plan import dp_sgd_plan
+
+    plan = lambda privacy, **kw: dp_sgd_plan(privacy, [2000], 100, 100, 10, 6, calibrate=False, **kw)
+    rows = plan(Privacy(epsilon=8.0, delta=1e-5))
+    assert rows.row_sampler and np.all(rows.overflow == 0.0) and rows.charges(10) < 1e-12
+    walk = plan(Privacy(epsilon=1.0, delta=1e-5))
+    assert not walk.row_sampler and walk.overflow[0] > 0.0
+    assert (1 + math.e) * walk.charges(10) < DELTA_RESERVE * 1e-5 < (1 + math.exp(8.0)) * walk.charges(10)
+    assert not plan(Privacy(noise_multiplier=1.0)).row_sampler
+    assert plan(Privacy(noise_multiplier=1.0), budget_epsilon=8.0).row_sampler  # a Flower node's pinned plan
+
+    x = np.random.default_rng(0).normal(size=(2000, 2)).astype(np.float32)
+    y = (x[:, 0] > 0).astype(np.float32)
+    d = dppvi.DPPVI(logistic, method="dp_optimisation", batch_size=100, local_steps=100, rounds=10,
+                    privacy=Privacy(epsilon=8.0, delta=1e-5), num_samples=2)
+    d.init(jax.random.key(0), [(x, y)])
+    assert d.plan.row_sampler and d.rule.row_sampler and d.ledger.delta == budget_delta(1e-5)
+
+
 def test_without_replacement_sampler_and_substitute_accounting():
     privacy = Privacy(noise_multiplier=1.0, clip=1.0, sampling="without_replacement", neighbouring="substitute",
                       accountant="rdp")
