@@ -4,8 +4,11 @@ PYTHON ?= python3
 VENV ?= .venv
 BIN := $(VENV)/bin
 STAMP := $(VENV)/.installed
+# `make docs` installs its own extra (and the optional ones autodoc imports) with its own stamp,
+# so `make test` never needs the docs extra.
+DOCS_STAMP := $(VENV)/.installed-docs
 
-.PHONY: demo test test-fast bench clean
+.PHONY: demo test test-fast bench docs clean
 
 $(STAMP): pyproject.toml
 	test -x $(BIN)/python || $(PYTHON) -m venv $(VENV)
@@ -26,5 +29,15 @@ test-fast: $(STAMP)
 bench: $(STAMP)
 	$(BIN)/dppvi bench
 
+$(DOCS_STAMP): pyproject.toml
+	test -x $(BIN)/python || $(PYTHON) -m venv $(VENV)
+	$(BIN)/python -m pip install --quiet --upgrade pip
+	$(BIN)/python -m pip install --quiet -e ".[docs,examples,flower]"
+	touch $(DOCS_STAMP)
+
+# the API reference and the chapters, into docs/_build/html; any warning fails the build
+docs: $(DOCS_STAMP)
+	JAX_PLATFORMS=cpu $(BIN)/python -m sphinx -b html -W --keep-going docs docs/_build/html
+
 clean:
-	rm -rf $(VENV) .pytest_cache build *.egg-info
+	rm -rf $(VENV) .pytest_cache build *.egg-info docs/_build

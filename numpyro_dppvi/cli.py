@@ -101,6 +101,17 @@ def demo_methods(rounds: int | None, epsilon: float = 1.0, delta: float = 1e-5, 
 
 
 def demo(args) -> int:
+    """``dppvi demo``: fit UCI Adult, split over 10 clients, with every method of :func:`demo_methods` and
+    print a table of accuracy, log-likelihood, communications, epsilon, convergence and time.
+
+    Args:
+        args: the parsed ``demo`` arguments: ``splits`` (names in :data:`SPLITS`), ``rounds`` (None: each
+            method's default), ``epsilon`` (the private methods' budget, delta 1e-5) and ``seed`` (None:
+            every fit draws its key from the OS).
+
+    Returns:
+        0: a fit that fails is reported in its row and the notes, not as an error of the command.
+    """
     import warnings
 
     import jax
@@ -285,6 +296,16 @@ def run_experiment(name: str, script: Path, argv) -> int:
 
 
 def run(args) -> int:
+    """``dppvi run EXPERIMENT [ARGS]``: run a script of the checkout's ``examples/`` folder.
+
+    Args:
+        args: the parsed ``run`` arguments: ``experiment`` (a script name; None lists the experiments)
+            and ``rest`` (the arguments passed on to the script's ``main(argv)``).
+
+    Returns:
+        The script's exit status (:func:`run_experiment`), 0 after listing, 2 for an unknown name.
+        Exits with a message when the package is installed without a source checkout.
+    """
     root = require_checkout("run")
     examples = find_scripts(root / "examples")
     if args.experiment is None:
@@ -349,6 +370,16 @@ def bench_table(payload: dict) -> str:
 
 
 def bench(args) -> int:
+    """``dppvi bench [NAME ...]``: run the checkout's benchmarks and print each one's results table.
+
+    Args:
+        args: the parsed ``bench`` arguments: ``names`` (benchmarks to run; empty: all), ``out`` and
+            ``update_results`` (where the JSON results go, :func:`bench_output_dir`).
+
+    Returns:
+        0 when every benchmark ran and wrote its results; the failing benchmark's exit status, 1 when
+        one wrote no results, 2 for an unknown name.
+    """
     root = require_checkout("bench")
     benchmarks = find_scripts(root / "benchmarks")
     unknown = [name for name in args.names if name not in benchmarks]
@@ -445,6 +476,17 @@ def build_parser(root: Path | None) -> argparse.ArgumentParser:
 
 
 def main(argv=None) -> int:
+    """The ``dppvi`` command: parse ``argv`` and run ``demo``, ``run``, ``deploy`` or ``bench``.
+
+    Turns on JAX's persistent compilation cache unless ``NUMPYRO_DPPVI_NO_COMPILATION_CACHE`` is set
+    to something other than ``0``.
+
+    Args:
+        argv: the arguments after ``dppvi`` (None: ``sys.argv[1:]``).
+
+    Returns:
+        The command's exit status.
+    """
     args = build_parser(checkout_root()).parse_args(argv)
     if os.environ.get("NUMPYRO_DPPVI_NO_COMPILATION_CACHE", "").strip() in ("", "0"):
         from .persistent_cache import enable_compilation_cache  # on by default for the command line

@@ -85,6 +85,7 @@ def is_full_rank(g: Gaussian) -> bool:
 
 
 def family_of(g: Gaussian) -> str:
+    """The family of the Gaussian factor ``g``: ``"low_rank"``, ``"full_rank"`` or ``"mean_field"``."""
     return "low_rank" if is_low_rank(g) else "full_rank" if is_full_rank(g) else "mean_field"
 
 
@@ -120,6 +121,8 @@ def resolved_rank(dim: int, rank: int | None = None) -> int:
 
 
 def check_family(family: str, caller: str) -> str:
+    """``family`` when it is one of :data:`FAMILIES`, else a ValueError naming ``caller`` and the
+    families (with what each is for)."""
     if family not in FAMILIES:
         raise ValueError(f"{caller}: unknown family {family!r}; choose one of {FAMILIES} (mean_field: independent "
                          "Gaussian coordinates; full_rank: a full precision matrix, for correlated posteriors; "
@@ -238,6 +241,8 @@ def from_loc_log_scale(params: dict) -> Gaussian:
 
 
 def to_loc_log_scale(g: Gaussian) -> dict:
+    """``{"loc", "log_scale"}`` of ``g``: its means and the logs of its (marginal) sds, as
+    :func:`to_loc_scale` gives them."""
     loc, scale = to_loc_scale(g)
     return {"loc": loc, "log_scale": jnp.log(scale)}
 

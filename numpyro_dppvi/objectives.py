@@ -1,7 +1,7 @@
 """Local objectives of PVI (Heikkila et al. 2023, eq. 2; Ashman et al. 2022, eq. 6).
 
 The variational parameters are ``params = {"loc": mu, "log_scale": log s}`` of a mean-field
-Gaussian ``q`` on the flat unconstrained vector. Client ``m`` maximises
+Gaussian ``q`` on the flat unconstrained vector. Client ``m`` maximises::
 
     L_m(q) = (n_m / |B|) sum_{i in B} E_q[log p(x_i | theta)] - KL(q || cavity_m),
 

@@ -72,6 +72,13 @@ def details_stay_on_the_node(node: NodeSettings):
 
 @app.query("hello")
 def hello(message: Message, context: Context) -> Message:
+    """Answer ``query.hello`` with the client's :class:`~numpyro_dppvi.flower.schema.Identity`.
+
+    Releases only public facts: the client's id, the model it agrees to fit (``""`` when the server's is
+    not its own), the shapes and dtypes of one row, its public size
+    (:meth:`~numpyro_dppvi.flower.settings.NodeSettings.size_of`), the methods it runs and its ledger. At the
+    first hello the data file is read once, under the state lock, to record that signature in the state
+    file; nothing is charged and no data value leaves."""
     node = node_settings(context)
     request = decode_hello(message.content)
     with client_store.locked(node):
@@ -89,6 +96,8 @@ def hello(message: Message, context: Context) -> Message:
 
 @app.train()
 def train(message: Message, context: Context) -> Message:
+    """Answer one ``train`` message with the :class:`~numpyro_dppvi.flower.schema.Reply` of
+    :func:`take_step`, under the state lock; the message's remaining TTL decides whether it expired."""
     node = node_settings(context)
     instruction = decode_instruction(message.content)
     seconds_left = message.metadata.created_at + message.metadata.ttl - time.time()
@@ -99,6 +108,8 @@ def train(message: Message, context: Context) -> Message:
 
 
 def node_settings(context: Context) -> NodeSettings:
+    """The node's :class:`NodeSettings` from its Flower node config; also turns on JAX's persistent
+    compilation cache when ``compilation-cache`` is set (each message runs in a fresh process)."""
     node = NodeSettings.from_node_config(context.node_config)
     if node.compilation_cache is not None:  # a fresh process per message: reuse compiled programs from disk
         from ..persistent_cache import enable_compilation_cache
@@ -238,6 +249,8 @@ def gaussian_layout(settings, dim: int) -> dict:
 
 
 def gaussian_shapes(g: Gaussian) -> dict:
+    """The array shapes of ``g`` by record name (``eta1`` and ``eta2``, or ``eta2.diag``, ``eta2.core`` and
+    ``eta2.basis`` for a low-rank ``eta2``), to compare with :func:`gaussian_layout`."""
     if factors.is_low_rank(g):
         return {"eta1": np.shape(g.eta1), **{f"eta2.{k}": np.shape(v) for k, v in g.eta2._asdict().items()}}
     return {"eta1": np.shape(g.eta1), "eta2": np.shape(g.eta2)}

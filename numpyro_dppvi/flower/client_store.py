@@ -74,6 +74,7 @@ class ClientState:
 
 
 def state_path(node: NodeSettings) -> Path:
+    """The node's state file, ``<state-dir>/client_state.npz`` (:data:`STATE_FILE`)."""
     return node.state_dir / STATE_FILE
 
 

@@ -42,6 +42,12 @@ def hospital(folder: Path, name: str, data, epsilon: float, cache: Path) -> dict
 
 
 def run_demo(rounds: int = 3, epsilon: float = 1.0, timeout: float = 600.0, keep: bool = False, out=print) -> int:
+    """Run the demo of the module docstring; return the exit status (0 when the fit finished, else 1).
+
+    ``rounds`` synchronous rounds of DP optimisation (:func:`demo_run_config`), each hospital with budget
+    ``(epsilon, 1e-5)``; ``timeout``: seconds ``flwr run`` may take; ``out(text)`` receives every line
+    shown. The work folder (data, states, logs, results) is removed afterwards unless ``keep`` is true or
+    the fit failed."""
     from .. import datasets, load
     from ..persistent_cache import default_cache_dir
     from ..data import partition

@@ -55,6 +55,7 @@ def toml_value(value) -> str:
 
 
 def toml_table(values: dict) -> str:
+    """The lines ``key = value`` of a flat TOML table (:func:`toml_value`), one per item of ``values``."""
     return "".join(f"{key} = {toml_value(value)}\n" for key, value in values.items())
 
 
@@ -90,6 +91,7 @@ def children() -> dict[int, list[int]]:
 
 
 def descendants(pid: int) -> list[int]:
+    """The pids of every process below ``pid`` (children, their children, ...), from :func:`children`."""
     tree, out, stack = children(), [], [pid]
     while stack:
         for child in tree.get(stack.pop(), []):
@@ -113,6 +115,9 @@ def alive(pid: int) -> bool:
 
 @dataclass
 class Started:
+    """A process :class:`LocalFederation` started: its ``name`` (``"superlink"``, a SuperNode's name or
+    ``"flwr-run"``), its ``process`` and the ``log`` file its output goes to."""
+
     name: str
     process: subprocess.Popen
     log: Path

@@ -191,6 +191,8 @@ def rule_state_from(template, leaves: list):
 
 
 def rule_state_leaves(rule_state) -> list:
+    """The leaves of a rule state as NumPy arrays, in tree order: what the client's state file keeps
+    (``ClientState.rule_leaves``, :mod:`~numpyro_dppvi.flower.client_store`) and :func:`rule_state_from` reads back."""
     return [np.asarray(leaf) for leaf in jax.tree_util.tree_leaves(rule_state)]
 
 

@@ -85,6 +85,10 @@ def _send_train(coord: Coordinator, exchange: Exchange, client: ClientRecord, ro
 
 
 def sequential_round(coord: Coordinator, exchange: Exchange, round_timeout: float) -> RoundLog:
+    """One sequential round: each active client in turn gets the current ``q``, and its change is applied
+    before the next is asked. A client waits at most ``round_timeout`` seconds for its reply (else it is
+    dropped as ``"late"``). Returns the round's :class:`RoundLog`; raises
+    :class:`~numpyro_dppvi.pvi.driver.FitDiverged` when a change makes ``q`` improper."""
     log, before = RoundLog(), coord.result()
     for client in coord.active():
         sent = _send_train(coord, exchange, client, round_timeout, log)
@@ -103,6 +107,10 @@ def sequential_round(coord: Coordinator, exchange: Exchange, round_timeout: floa
 
 
 def synchronous_round(coord: Coordinator, exchange: Exchange, round_timeout: float) -> RoundLog:
+    """One synchronous round: every active client gets the same ``q``; the replies that arrive within
+    ``round_timeout`` seconds are applied as one sum (in client order), late clients are dropped for the
+    round. Returns the round's :class:`RoundLog`; raises :class:`~numpyro_dppvi.pvi.driver.FitDiverged`
+    when the sum makes ``q`` improper."""
     log, before = RoundLog(), coord.result()
     sent = [s for s in (_send_train(coord, exchange, client, round_timeout, log) for client in coord.active())
             if s is not None]

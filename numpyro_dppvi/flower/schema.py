@@ -70,6 +70,20 @@ class SchemaError(ValueError):
 
 @dataclass(frozen=True)
 class Instruction:
+    """Server -> client: one local update (message type ``train``).
+
+    Attributes:
+        fit_id: the fit's id; a client keeps one fit record per id.
+        round: the round the update belongs to (1-based).
+        client_id: the client the server believes it addresses (a node that is another client refuses).
+        method: ``"dp_optimisation"`` or ``"pvi"``.
+        model: the model reference ``"package.module:function"``.
+        settings: the local update's :class:`~numpyro_dppvi.flower.settings.LocalSettings` (fixed within a fit).
+        q: the global posterior (natural parameters; low rank: ``eta2`` a
+            :class:`~numpyro_dppvi.factors.LowRank` in a public basis).
+        t_m: the server's view of the client's factor (the cavity is ``q / t_m``).
+    """
+
     fit_id: str
     round: int
     client_id: str
@@ -82,6 +96,26 @@ class Instruction:
 
 @dataclass(frozen=True)
 class Reply:
+    """Client -> server: the reply to an :class:`Instruction`; what the client releases.
+
+    Attributes:
+        client_id: the replying client's own id.
+        status: ``"ok"`` or ``"refused"`` (:data:`STATUSES`).
+        delta: the change of the client's factor, ``rho (eta(q_new) - eta(q))`` (zeros when it refused or
+            its update was not finite; low rank: in the wider basis ``[B, E]`` of its answer).
+        reason: why it refused, one of :data:`REFUSALS` (``""`` when ``"ok"``).
+        detail: a text for people (no data value).
+        participations: the steps of this fit charged to the client so far.
+        ledger: the client's own :class:`~numpyro_dppvi.privacy.PrivacyLedger` as a dict
+            (``to_dict``), None when the method is not private; the server keeps a mirror.
+        diagnostics: data-free values only (``update_finite``, ``factor_in_sync``, the data-free part of
+            DP optimisation's last loss), floats.
+        curvature: noise-aware DP optimisation only: the ``[D, D]`` curvature of the client's factor as
+            its releases estimate it (post-processing), else None.
+        curvature_bias: the part of ``curvature`` the estimate's own noise adds, else None (encoded as
+            zeros when ``curvature`` is given without it).
+    """
+
     client_id: str
     status: str
     delta: Gaussian
@@ -96,12 +130,27 @@ class Reply:
 
 @dataclass(frozen=True)
 class Hello:
+    """Server -> node (``query.hello``): who are you? Carries the fit's id and model reference."""
+
     fit_id: str
     model: str
 
 
 @dataclass(frozen=True)
 class Identity:
+    """Node -> server: the reply to :class:`Hello`, the client's public introduction (no data value).
+
+    Attributes:
+        client_id: the client's own id (from its node config), stable across Flower node ids.
+        model: the model it agrees to fit: the :class:`Hello`'s when its node config names the same one,
+            else ``""``.
+        row_shapes: the shape of one data row per data array (the model's signature).
+        row_dtypes: the dtype of each data array, as strings.
+        num_rows: the node's public size: its declared public-size bound, else its number of rows.
+        methods: the methods the node runs.
+        ledger: its :class:`~numpyro_dppvi.privacy.PrivacyLedger` as a dict, None before its first private step.
+    """
+
     client_id: str
     model: str
     row_shapes: tuple
@@ -165,6 +214,7 @@ def _ledger(text: str) -> dict | None:
 
 
 def encode_instruction(instruction: Instruction) -> RecordDict:
+    """The ``RecordDict`` of a ``train`` message: ``"q"``, ``"t_m"`` and ``"config"`` (module docstring)."""
     i = instruction
     return RecordDict({
         "q": _gaussian_record(i.q), "t_m": _gaussian_record(i.t_m),
@@ -175,12 +225,16 @@ def encode_instruction(instruction: Instruction) -> RecordDict:
 
 
 def decode_instruction(records: RecordDict) -> Instruction:
+    """The :class:`Instruction` a ``train`` message carries; raises :class:`SchemaError` when a record or key
+    is missing, of the wrong kind, or of another schema version."""
     c = _config(records, "config", ("fit_id", "round", "client_id", "method", "model", "settings"))
     return Instruction(str(c["fit_id"]), int(c["round"]), str(c["client_id"]), str(c["method"]), str(c["model"]),
                        LocalSettings.from_json(c["settings"]), _gaussian(records, "q"), _gaussian(records, "t_m"))
 
 
 def encode_reply(reply: Reply) -> RecordDict:
+    """The ``RecordDict`` of a reply to ``train``: ``"delta"``, ``"diagnostics"``, ``"status"`` and, when
+    ``reply.curvature`` is given, ``"curvature"`` (float32); raises :class:`SchemaError` for an unknown status."""
     r = reply
     if r.status not in STATUSES:
         raise SchemaError(f"status {r.status!r} is not one of {STATUSES}")
@@ -200,6 +254,8 @@ def encode_reply(reply: Reply) -> RecordDict:
 
 
 def decode_reply(records: RecordDict) -> Reply:
+    """The :class:`Reply` a reply to ``train`` carries; raises :class:`SchemaError` when it does not follow
+    :data:`SCHEMA_VERSION` (or names an unknown status)."""
     c = _config(records, "status", ("client_id", "status", "reason", "detail", "participations", "ledger"))
     if c["status"] not in STATUSES:
         raise SchemaError(f"status {c['status']!r} is not one of {STATUSES}")
@@ -216,16 +272,21 @@ def decode_reply(records: RecordDict) -> Reply:
 
 
 def encode_hello(hello: Hello) -> RecordDict:
+    """The ``RecordDict`` of a ``query.hello`` message: the ConfigRecord ``"config"``."""
     return RecordDict({"config": ConfigRecord({"schema": SCHEMA_VERSION, "fit_id": hello.fit_id,
                                                "model": hello.model})})
 
 
 def decode_hello(records: RecordDict) -> Hello:
+    """The :class:`Hello` a ``query.hello`` message carries; raises :class:`SchemaError` as
+    :func:`decode_instruction` does."""
     c = _config(records, "config", ("fit_id", "model"))
     return Hello(str(c["fit_id"]), str(c["model"]))
 
 
 def encode_identity(identity: Identity) -> RecordDict:
+    """The ``RecordDict`` of a reply to ``query.hello``: the ConfigRecord ``"identity"`` (shapes, dtypes,
+    methods and ledger as JSON strings)."""
     i = identity
     return RecordDict({"identity": ConfigRecord({
         "schema": SCHEMA_VERSION, "client_id": i.client_id, "model": i.model,
@@ -234,6 +295,8 @@ def encode_identity(identity: Identity) -> RecordDict:
 
 
 def decode_identity(records: RecordDict) -> Identity:
+    """The :class:`Identity` a reply to ``query.hello`` carries; raises :class:`SchemaError` as
+    :func:`decode_instruction` does."""
     c = _config(records, "identity", ("client_id", "model", "row_shapes", "row_dtypes", "num_rows", "methods",
                                       "ledger"))
     return Identity(str(c["client_id"]), str(c["model"]), tuple(tuple(s) for s in json.loads(c["row_shapes"])),

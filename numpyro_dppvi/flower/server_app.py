@@ -43,6 +43,24 @@ RUN_CONFIG_DEFAULTS = {
 
 @dataclass(frozen=True)
 class ServerSettings:
+    """The run configuration, checked and typed (:meth:`from_run_config`; keys in the module docstring).
+
+    Attributes:
+        model: the model reference ``"package.module:function"``, the same on every node.
+        method: ``"dp_optimisation"`` or ``"pvi"``.
+        schedule: ``"sequential"``, ``"synchronous"`` or ``"asynchronous"`` (:data:`SCHEDULES`).
+        rounds: the number of rounds (also the participations each client's noise is calibrated for).
+        local: the :class:`~numpyro_dppvi.flower.settings.LocalSettings` proposed to every client.
+        round_timeout: seconds a round (or a sequential client) may take; also the messages' TTL.
+        poll_interval: seconds between polls for replies.
+        min_clients: the nodes to wait for before the fit starts.
+        wait_for_clients: seconds to wait for them.
+        results_dir: where ``result.npz`` and ``progress.jsonl`` go, or None.
+        checkpoint: the server's private checkpoint, or None.
+        checkpoint_key_file: the file of the checkpoint's HMAC key, or None.
+        fit_id: the fit's id (a fresh random one by default).
+    """
+
     model: str
     method: str
     schedule: str
@@ -59,6 +77,8 @@ class ServerSettings:
 
     @classmethod
     def from_run_config(cls, run_config) -> "ServerSettings":
+        """The settings of ``run_config`` over :data:`RUN_CONFIG_DEFAULTS`; raises :class:`SettingsError`
+        naming an unknown key or a wrong value."""
         config = dict(RUN_CONFIG_DEFAULTS, **dict(run_config))
         unknown = sorted(set(config) - set(RUN_CONFIG_DEFAULTS))
         if unknown:
@@ -90,10 +110,13 @@ class ServerSettings:
                    path("checkpoint-key-file"), str(config["fit-id"]) or uuid.uuid4().hex)
 
     def checkpoint_key(self) -> bytes | None:
+        """The checkpoint's HMAC key (the key file's bytes, stripped), or None."""
         return None if self.checkpoint_key_file is None else self.checkpoint_key_file.read_bytes().strip()
 
 
 def wait_for_clients(exchange: Exchange, count: int, timeout: float, clock=time.monotonic, sleep=time.sleep) -> None:
+    """Return once the grid lists at least ``count`` nodes (polled every 0.2 s); raise ``TimeoutError``
+    after ``timeout`` seconds."""
     deadline = clock() + timeout
     while len(exchange.node_ids()) < count:
         if clock() >= deadline:
@@ -150,6 +173,8 @@ app = ServerApp()
 
 @app.main()
 def main(grid: Grid, context: Context) -> None:
+    """The ServerApp's entry point: :func:`serve` with the run config, then (with ``results-dir``) the
+    published result ``result.npz`` and ``done.json`` (the fit id and rounds run) written there."""
     result = serve(grid, context.run_config, report=lambda text: print(f"[numpyro_dppvi] {text}", flush=True))
     settings = ServerSettings.from_run_config(context.run_config)
     if settings.results_dir is not None:

@@ -32,6 +32,18 @@ from scipy import stats
 
 @dataclass(frozen=True)
 class AuditResult:
+    """What :func:`audit` found.
+
+    Attributes:
+      epsilon_lower_bound: the lower bound on epsilon that holds with probability ``confidence``;
+        above the ledger's epsilon it proves the mechanism less private than claimed.
+      false_positive_rate, false_negative_rate: the chosen test's error rates on the evaluation half.
+      threshold: the statistic's threshold chosen on the selection half.
+      runs_per_dataset: runs of the mechanism on each of the two data sets.
+      delta: the delta of the audited claim.
+      confidence: the probability with which the bound holds.
+    """
+
     epsilon_lower_bound: float
     false_positive_rate: float
     false_negative_rate: float

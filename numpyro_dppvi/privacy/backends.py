@@ -51,12 +51,15 @@ RDP_ORDERS = tuple(
 
 
 def check_backend(backend: str) -> str:
+    """``backend`` when it is one of :data:`BACKENDS` (an accountant's name), else a ValueError."""
     if backend not in BACKENDS:
         raise ValueError(f"accountant={backend!r} is not known; use one of {BACKENDS}.")
     return backend
 
 
 def check_delta(delta) -> float:
+    """``delta`` as a float strictly between 0 and 1: a TypeError for a bool or a non-number, a
+    ValueError outside ``(0, 1)``."""
     if isinstance(delta, bool):
         raise TypeError("delta must be a float in (0, 1), got a bool.")
     try:

@@ -97,6 +97,31 @@ class Privacy:
         counts, scales, shapes) is then computed from it, so nothing published depends on a private
         size (:mod:`~numpyro_dppvi.privacy.sizes`). None: the observed sizes (public by definition
         under substitute; disclosed, with a warning, under add/remove).
+
+    Examples:
+        A budget, with the defaults for everything else; the noise is calibrated by the fit:
+
+        >>> from numpyro_dppvi import Privacy
+        >>> privacy = Privacy(epsilon=1.0, delta=1e-5, clip=2.0)
+        >>> privacy.sampling, privacy.neighbouring, privacy.accountant
+        ('poisson', 'add_remove', 'pld')
+
+        The sensitivity of a clipped sum is the clip under add/remove, twice it under substitute:
+
+        >>> privacy.sensitivity
+        2.0
+        >>> Privacy(epsilon=1.0, clip=2.0, neighbouring="substitute").sensitivity
+        4.0
+
+        A fixed noise instead of a budget (epsilon is then read from the ledger); one of the two is
+        required:
+
+        >>> Privacy(noise_multiplier=1.1).epsilon is None
+        True
+        >>> Privacy(clip=1.0)  # doctest: +ELLIPSIS
+        Traceback (most recent call last):
+            ...
+        ValueError: give a budget (epsilon=...) to calibrate the noise, or a noise_multiplier ...
     """
 
     epsilon: float | None = None

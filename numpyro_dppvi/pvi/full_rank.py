@@ -2,17 +2,17 @@
 
 ``q = N(mu, Lambda^{-1})`` with a full precision ``Lambda``; a factor holds ``eta1 = Lambda mu`` and
 ``eta2 = -Lambda / 2`` (``[D, D]``; :mod:`numpyro_dppvi.factors`). A client maximises PVI's local
-objective (Heikkila et al. 2023, eq. 2; Ashman et al. 2022, eq. 6)
+objective (Heikkila et al. 2023, eq. 2; Ashman et al. 2022, eq. 6)::
 
     L_m(q) = E_q[f(u)] + E_q[log cavity_m(u)] + H[q],     f(u) = (n_m / |B|) sum_{i in B} log p(x_i | T(u)),
 
-whose stationary points satisfy, by Bonnet's and Price's theorems (Opper & Archambeau 2009),
+whose stationary points satisfy, by Bonnet's and Price's theorems (Opper & Archambeau 2009)::
 
     Lambda = Lambda_c - E_q[grad^2 f],       0 = E_q[grad f] + eta1_c - Lambda_c mu        (*)
 
 (``Lambda_c = -2 eta2_c``: the cavity's precision, possibly not positive definite). The rule takes
 natural-gradient steps (conjugate-computation VI, Khan & Lin 2017, eq. 12; the Bayesian learning
-rule's Gaussian case, Khan & Rue 2023, §4.2) towards (*), with step ``beta``:
+rule's Gaussian case, Khan & Rue 2023, §4.2) towards (*), with step ``beta``::
 
     T        = Lambda_c - E_q[grad^2 f]                          (the target precision)
     Lambda' = (1 - beta) Lambda + beta T                         (T positive definite)

@@ -68,6 +68,7 @@ def window_batch(order: jax.Array, mask: jax.Array, step, batch_size: int) -> tu
 
 
 def take_rows(arrays: tuple, idx: jax.Array) -> tuple:
+    """The rows ``idx`` of each of a client's arrays (``jnp.take`` along axis 0): a batch, as a tuple."""
     return tuple(jnp.take(a, idx, axis=0) for a in arrays)
 
 

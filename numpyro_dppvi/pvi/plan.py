@@ -114,6 +114,9 @@ def initial_state(rule, server_step, num_clients, data, mask, key_data, prior, s
 
 
 def local_posteriors(rule, priors, data, mask, sizes, client_state, key):
+    """Every client's local update once, from its own prior: ``rule.update`` with start and cavity
+    ``priors[m]`` on client ``m``'s data, key ``fold_in(key, m)``, vmapped over the clients; returns the
+    stacked ``q_m`` (``[M, ...]``). Pure; jitted by ``DPPVI.local_posteriors``, which charges the releases."""
     keys = jax.vmap(lambda i: jax.random.fold_in(key, i))(jnp.arange(sizes.shape[0]))
     q_m, _, _ = jax.vmap(rule.update)(priors, priors, data, mask, sizes, keys, client_state)
     return q_m
@@ -203,6 +206,8 @@ def signal_terms(driver, plan) -> np.ndarray:
 
 
 def noise_to_signal(driver, plan) -> np.ndarray:
+    """``[M]``: per client, the expected norm of one release's noise under ``plan`` over the largest norm of
+    its signal (:func:`numpyro_dppvi.diagnostics.noise_to_signal`, with :func:`signal_terms`)."""
     noise = np.array([plan.noise_std(m) for m in range(driver.num_clients)])
     return diagnostics.noise_to_signal(noise, plan.dimension, signal_terms(driver, plan), driver.privacy.clip)
 

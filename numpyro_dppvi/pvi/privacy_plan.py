@@ -43,6 +43,34 @@ UNLIMITED = 2**30
 
 @dataclass
 class PrivacyPlan:
+    """What each client of a private fit releases and is charged (module docstring), made by
+    :func:`dp_sgd_plan`, :func:`shard_update_plan` or :func:`client_level_plan`.
+
+    Attributes:
+        privacy: the fit's :class:`~numpyro_dppvi.privacy.Privacy` (budget or noise multiplier, clip,
+            sampling, neighbouring relation, accountant).
+        kind: ``"dp_sgd"`` (DP optimisation), ``"shard_update"`` (update perturbation) or ``"client"``
+            (client-level DP).
+        steps_per_participation: releases per participation (``local_steps`` for DP-SGD, else 1).
+        rates: ``[M]`` sampling rate of each client's releases (DP-SGD: ``q_m = batch / n_m``, Poisson
+            rates rounded up by :func:`~numpyro_dppvi.privacy.sampling.accounted_rate`; update
+            perturbation: 1; client-level: ``client_rate``).
+        overflow: ``[M]`` probability per release charged to delta for the Poisson sampler's deviation
+            (zeros for the other samplers and kinds).
+        dimension: noise coordinates drawn per release (the events' ``dimension``; DP-SGD with adaptive
+            clipping counts the noisy count too).
+        noise_multipliers: ``[M]`` noise multiplier of each client in user units (noise std / clip), set by
+            :meth:`calibrate`; None before.
+        max_batch: the fixed batch of sampling without replacement (DP-SGD's ``batch_size``; 0 otherwise).
+        chunk: rows per chunk of a Poisson batch (:func:`~numpyro_dppvi.privacy.sampling.poisson_fold`).
+        row_sampler: Poisson batches drawn row by row
+            (:func:`~numpyro_dppvi.privacy.sampling.row_fold`), which charges nothing to delta.
+        sensitivity_kind: of an update-perturbation release: ``"shard_update"`` (hashed shards, ``2C``) or
+            ``"sum_of_records"`` (one record per shard; :func:`~numpyro_dppvi.privacy.sensitivity`).
+        calibrated_participations: the participations the noise was calibrated for, so that they meet
+            the budget (0 when the noise multiplier was given).
+    """
+
     privacy: Privacy
     kind: str  # "dp_sgd" | "shard_update" | "client"
     steps_per_participation: int
@@ -226,6 +254,11 @@ def dp_sgd_plan(privacy: Privacy, sizes, batch_size: int, local_steps: int, roun
 
 def shard_update_plan(privacy: Privacy, num_clients: int, rounds: int | None, dimension: int,
                       one_record_per_shard: bool, calibrate: bool = True) -> PrivacyPlan:
+    """The update-perturbation plan of ``num_clients`` clients: one release per participation, of the
+    clipped change computed from the client's whole data (rate 1, no sampling), with ``dimension`` noise
+    coordinates; one noise multiplier for all clients, calibrated to ``rounds`` participations
+    (``calibrate=False``: left to the caller). Sensitivity ``2C`` with hashed shards, or that of a sum
+    of records (``C`` under add/remove) when ``one_record_per_shard``."""
     kind = "sum_of_records" if one_record_per_shard else "shard_update"
     plan = PrivacyPlan(privacy, "shard_update", 1, np.ones(num_clients), np.zeros(num_clients), dimension,
                        sensitivity_kind=kind)
@@ -236,6 +269,11 @@ def shard_update_plan(privacy: Privacy, num_clients: int, rounds: int | None, di
 
 def client_level_plan(privacy: Privacy, num_clients: int, rounds: int | None, client_rate: float,
                       dimension: int, calibrate: bool = True) -> PrivacyPlan:
+    """The client-level DP plan: the unit is a client; one release per round (the noisy sum of the clipped
+    client changes, noise std ``noise_multiplier * clip``), clients Poisson-subsampled at ``client_rate``
+    (1: all of them) and every client charged every round; the noise calibrated to ``rounds`` rounds
+    (``calibrate=False``: left to the caller). Raises ``ValueError`` for ``client_rate`` outside ``(0, 1]``,
+    or below 1 without ``Privacy(sampling="poisson")``."""
     if not (0.0 < client_rate <= 1.0):
         raise ValueError(f"client_rate must be in (0, 1], got {client_rate}")
     if client_rate < 1.0 and privacy.sampling != "poisson":

@@ -66,6 +66,7 @@ def round_key(state: PVIState) -> jax.Array:
 
 
 def broadcast(g: Gaussian, m: int) -> Gaussian:
+    """``m`` copies of the factor ``g`` stacked on a new leading axis (one per client)."""
     return jax.tree.map(lambda x: jnp.broadcast_to(x, (m,) + x.shape), g)
 
 

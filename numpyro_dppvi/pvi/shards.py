@@ -53,6 +53,14 @@ ROWS = "rows"
 
 
 class ShardedClients(NamedTuple):
+    """Every client's data split into shards, padded for ``vmap`` over clients and shards.
+
+    Fields: ``arrays`` (the data arrays, each ``[M, K_max, S_max, ...]``), ``mask`` (``[M, K_max,
+    S_max]`` bool: real rows), ``num_shards`` (``[M]``: the planned ``N_m``, which may exceed the
+    non-empty shards), ``sizes`` (``[M]``: the rows ``n_m``) and ``ids`` (``[M, K_max]`` uint32: the
+    shard identities that key each shard's randomness).
+    """
+
     arrays: tuple  # each [M, K_max, S_max, ...]
     mask: np.ndarray  # [M, K_max, S_max] bool
     num_shards: np.ndarray  # [M] int: N_m (planned; may exceed the number of non-empty shards)

@@ -152,6 +152,11 @@ class GammaPoisson(ConjugateModelBase):
 
     @property
     def block_bounds(self):
+        """Bound on one record's ESS block: ``{"counts": sqrt(B^2 + 1)}`` with ``B = count_bound``.
+
+        A record contributes ``(min(y, B), 1)`` (its truncated count, and one). Raises ValueError
+        when ``count_bound`` is None (a private fit needs it).
+        """
         if self.count_bound is None:
             raise ValueError("GammaPoisson needs count_bound for a private fit: pass the public bound on "
                              "the counts (larger counts are truncated to it).")

@@ -2,7 +2,7 @@
 
 A conjugate-exponential (CE) model (VIPS paper, Park et al. 2020, §2.5.3) has global
 parameters ``m`` with a conjugate prior of natural parameters ``nu`` and a complete-data
-likelihood ``p(D_n, l_n | m) ∝ exp(n(m)^T s(D_n, l_n))``. Variational Bayes alternates
+likelihood ``p(D_n, l_n | m) ∝ exp(n(m)^T s(D_n, l_n))``. Variational Bayes alternates::
 
     E-step: q(l_n) from the expected natural parameters  n̄ = E_q(m)[n(m)]       (Eq. 18)
             -> expected sufficient statistics (ESS)   s̄_n = E_q(l_n)[s(D_n, l_n)]
@@ -197,6 +197,8 @@ def blend(old: Params, target: Params, rho) -> Params:
 
 
 def scale_ess(ess: ESS, factor) -> ESS:
+    """Every block of the ESS pytree ``ess`` multiplied by ``factor`` (e.g. ``N / S``, from a batch sum
+    to an estimate of the sum over all rows)."""
     return {name: factor * block for name, block in ess.items()}
 
 

@@ -69,6 +69,12 @@ class PolyaGammaLogisticRegression(_BoundedXY, ConjugateModelBase):
 
     @property
     def block_bounds(self):
+        """Bounds on one record's ESS blocks: ``{"s1": B/2, "s2": B^2/4}`` with ``B = feature_bound``.
+
+        ``|s1_i| = |x_i|/2`` and ``|s2_i|_F = E[omega_i] |x_i|^2`` with ``E[omega] <= 1/4``
+        (the module docstring's sensitivity). Raises ValueError when ``feature_bound`` is None
+        (a private fit needs it).
+        """
         if self.feature_bound is None:
             raise ValueError("PolyaGammaLogisticRegression needs feature_bound for a private fit: "
                              "pass the public bound B on |x| (records are projected into |x| <= B).")

@@ -10,14 +10,14 @@ and ``b_k ~ N(0, 1/prior_precision_b)`` (the paper's three-parameter-beta shrink
 
 Polya-Gamma augmentation (Eq. 63-65) makes both layers Gaussian in the weights given
 ``omega_nj ~ PG(1, .)`` and ``xi_k ~ PG(1, .)``. Write ``z~ = (z, 1)``. The E-step, for one
-image, alternates
+image, alternates::
 
     omega_nj = E_PG(sqrt(E[(w~_j^T z~_n)^2]))                                   (Eq. 67)
     q(z_nk) = Bernoulli(sigmoid(d_nk)), updated for k = 1..K in turn, with      (Eq. 69-71)
     d_nk = E[b_k] + sum_j (y_nj - 1/2) E[w_jk]
            - 1/2 sum_j omega_nj (E[w_jk^2] + 2 sum_{l != k} E[w_jk w~_jl] E[z~_nl])
 
-and returns the ESS blocks (sums over ``n`` are the released quantities)
+and returns the ESS blocks (sums over ``n`` are the released quantities)::
 
     z_count = (E[z_n] - 1/2, 1)             |.| <= sqrt(K/4 + 1)
     yz      = (y_n - 1/2) E[z~_n]^T          |.|_F <= (sqrt(J)/2) sqrt(K+1)
