@@ -56,8 +56,8 @@ the event's ``overflow_probability``; the ledger adds ``(1 + e^epsilon) sum_t p_
 **Row by row** (:func:`row_fold`): each valid row on its own 32 random bits, included iff they are below
 ``inclusion_threshold(q)`` (probability ``t / 2^32 <= q``): exactly Poisson sampling at a rate at most the
 accounted one, with no float in the decision and nothing to charge; ``n`` random words a step. The plan
-uses it where the walk's charge would cost the budget's delta (:func:`~numpyro_dppvi.pvi.privacy_plan.
-walk_costs_delta`).
+uses it where the walk's charge would cost the budget's delta
+(:func:`~numpyro_dppvi.pvi.privacy_plan.walk_costs_delta`).
 
 Sampling without replacement (:func:`without_replacement_batch`)
 -----------------------------------------------------------------
