@@ -152,8 +152,8 @@ def test_frobenius_symmetric_noise_is_the_gaussian_mechanism_on_isometric_coordi
     ``var sqrt(2 / n)``, of a correlation ``1 / sqrt(n)``; 5 se each."""
     n, std = 20000, 0.5
     signal = jnp.asarray([[1.0, 2.0, 3.0], [2.0, 4.0, 5.0], [3.0, 5.0, 6.0]], jnp.float32)
-    draws = np.asarray(jax.vmap(lambda k: add_frobenius_symmetric_noise(k, signal, std))(
-        jax.random.split(jax.random.key(2), n)), np.float64) - np.asarray(signal)
+    draw = jax.jit(jax.vmap(lambda k: add_frobenius_symmetric_noise(k, signal, std)))  # one program, not op by op
+    draws = np.asarray(draw(jax.random.split(jax.random.key(2), n)), np.float64) - np.asarray(signal)
     np.testing.assert_array_equal(draws, np.swapaxes(draws, 1, 2))
     var = draws.var(axis=0)
     expected = np.where(np.eye(3, dtype=bool), std ** 2, std ** 2 / 2)

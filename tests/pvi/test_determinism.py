@@ -126,10 +126,15 @@ def _from_engine():
     return any(f.filename.replace("\\", "/").endswith(ENGINE_FILES) for f in traceback.extract_stack())
 
 
-@pytest.fixture
-def recorded_normal_keys(monkeypatch):
-    """Every key passed by the engine to ``jax.random.normal`` (Monte Carlo draws) or to the privacy
-    noise sampler during the test, as rows of raw key data."""
+@pytest.fixture(scope="module")
+def _normal_key_recorder():
+    """The recorder, installed once for this module's tests that use it and the ones after them: ``jax.random.normal``
+    and the noise sampler patched to report each key they are given (at run time, through a callback traced into
+    the program) into one list. Programs are keyed by structure, and a patched library function is invisible to the
+    key: the program cache is cleared when the recorder is installed (no program traced without it is reused) and
+    when it is removed (no later module reuses a program traced with it). While it is installed every program is
+    traced with it, so the tests share their compiled programs (one compilation per structure, as in a fit) and
+    each one's draws still report to the list."""
     seen = []
 
     def recording(original):
@@ -140,11 +145,22 @@ def recorded_normal_keys(monkeypatch):
             return original(key, *args, **kwargs)
         return draw
 
-    monkeypatch.setattr(jax.random, "normal", recording(jax.random.normal))
-    monkeypatch.setattr(noise_module, "standard_normal", recording(noise_module.standard_normal))
-    cache.clear()  # programs are keyed by structure: a patched library function is invisible to the key
-    yield seen
-    cache.clear()  # and no later test may reuse a program traced with the recorder
+    with pytest.MonkeyPatch.context() as patch:
+        patch.setattr(jax.random, "normal", recording(jax.random.normal))
+        patch.setattr(noise_module, "standard_normal", recording(noise_module.standard_normal))
+        cache.clear()  # programs are keyed by structure: a patched library function is invisible to the key
+        yield seen
+        cache.clear()  # and no later test may reuse a program traced with the recorder
+
+
+@pytest.fixture
+def recorded_normal_keys(_normal_key_recorder):
+    """Every key passed by the engine to ``jax.random.normal`` (Monte Carlo draws) or to the privacy
+    noise sampler during the test, as rows of raw key data."""
+    jax.effects_barrier()  # no callback of an earlier test still on its way into the list
+    _normal_key_recorder.clear()
+    yield _normal_key_recorder
+    jax.effects_barrier()
 
 
 def assert_all_distinct(seen):

@@ -72,7 +72,8 @@ def test_the_ledger_charges_as_many_noise_coordinates_as_a_release_has():
     charged = {event.dimension for event in result.privacy.events(0)}
     dim, std, n = data[0].shape[1], 0.7, 20000
     zero = factors.zeros(dim, family="full_rank")
-    noise = jax.vmap(lambda k: release_change(k, zero, std))(jax.random.split(jax.random.key(1), n))
+    draw = jax.jit(jax.vmap(lambda k: release_change(k, zero, std)))  # one program, not op by op
+    noise = draw(jax.random.split(jax.random.key(1), n))
     flat = np.concatenate([np.asarray(noise.eta1, np.float64), np.asarray(noise.eta2, np.float64).reshape(n, -1)], 1)
     eigenvalues = np.linalg.eigvalsh(np.cov(flat.T))
     assert charged == {int(np.sum(eigenvalues > 1e-3 * std ** 2))}

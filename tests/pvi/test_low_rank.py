@@ -337,7 +337,8 @@ def test_the_release_noise_lives_in_as_many_coordinates_as_the_ledger_charges():
     dim, rank, std, n = 5, 2, 0.7, 20000
     basis = factors.initial_basis(dim, rank)
     zero = {"eta1": jnp.zeros(dim), "diag": jnp.zeros(dim), "core": jnp.zeros((rank, rank)), "cross": jnp.zeros((dim, rank))}
-    noise = jax.vmap(lambda k: low_rank.release_coordinates(k, zero, std, basis))(jax.random.split(jax.random.key(1), n))
+    draw = jax.jit(jax.vmap(lambda k: low_rank.release_coordinates(k, zero, std, basis)))  # one program, not op by op
+    noise = draw(jax.random.split(jax.random.key(1), n))
     flat = np.concatenate([np.asarray(noise[k], np.float64).reshape(n, -1) for k in ("eta1", "diag", "core", "cross")], 1)
     eigenvalues = np.linalg.eigvalsh(np.cov(flat.T))
     assert int(np.sum(eigenvalues > 1e-3 * std ** 2)) == factors.num_coordinates(dim, "low_rank", rank)

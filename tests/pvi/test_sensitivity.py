@@ -299,9 +299,14 @@ def test_client_level_aggregate(family, relation):
                         precision_floor=1e-9, family=family)
         state = d._init(keys.key_data(jax.random.key(3)), "user_key", client_set)
         limits = jnp.full(len(client_set), 10, jnp.int32)
-        new, _ = server.client_level(d.rule, 1.0, state, d.data, d.mask, d.sizes, jax.random.key(4), limits,
-                                     CLIP, 0.0, 1.0, "floor", 1e-9)
-        return factors.divide(new.q, state.q)
+
+        @jax.jit  # as a fit runs it (one compiled round, not op by op)
+        def release(state, data, mask, sizes, limits):
+            new, _ = server.client_level(d.rule, 1.0, state, data, mask, sizes, jax.random.key(4), limits,
+                                         CLIP, 0.0, 1.0, "floor", 1e-9)
+            return factors.divide(new.q, state.q)
+
+        return release(state, d.data, d.mask, d.sizes, limits)
 
     base = aggregate(clients)
     bound = sensitivity(CLIP, relation_of(relation), "sum_of_records")
@@ -328,13 +333,17 @@ def test_client_level_low_rank_release(relation):
                         schedule="synchronous", local_steps=5, num_samples=2, rounds=1, family="low_rank", rank=1)
         d._init(keys.key_data(jax.random.key(3)), "user_key", client_set)
         m = len(client_set)
-        q = LOW_RANK_Q
-        cavities = server.broadcast(q, m)
-        k = jax.vmap(lambda i: jax.random.fold_in(jax.random.key(4), i))(jnp.arange(m))
-        q_new, _, _ = jax.vmap(d.rule.update, in_axes=(None, 0, 0, 0, 0, 0, None))(
-            q, cavities, d.data, d.mask, d.sizes, k, ())
-        changes = server.low_rank_client_changes(q, cavities, q_new, jnp.ones(m, bool), CLIP)
-        return jax.tree.map(lambda c: jnp.sum(c, axis=0), changes)
+
+        @jax.jit  # as a fit runs it (one compiled program, not op by op)
+        def release(q, data, mask, sizes):
+            cavities = server.broadcast(q, m)
+            k = jax.vmap(lambda i: jax.random.fold_in(jax.random.key(4), i))(jnp.arange(m))
+            q_new, _, _ = jax.vmap(d.rule.update, in_axes=(None, 0, 0, 0, 0, 0, None))(
+                q, cavities, data, mask, sizes, k, ())
+            changes = server.low_rank_client_changes(q, cavities, q_new, jnp.ones(m, bool), CLIP)
+            return jax.tree.map(lambda c: jnp.sum(c, axis=0), changes)
+
+        return release(LOW_RANK_Q, d.data, d.mask, d.sizes)
 
     base = released(clients)
     bound = sensitivity(CLIP, relation_of(relation), "sum_of_records")
@@ -367,6 +376,7 @@ def test_vips_ess_release(name, relation):
     bounds = scale_bounds(model.block_bounds, 1.0)
     enp = model.expected_natural_params(model.prior_params())
 
+    @jax.jit  # one compiled program per data size, not op by op
     def released(data):
         ess, _ = model.clipped_ess_sum(enp, data, jnp.ones(data[0].shape[0], bool), bounds)
         return {k: v / bounds[k] for k, v in ess.items()}
