@@ -1,7 +1,7 @@
 """``fit_vips``: (private) stochastic variational Bayes for conjugate-exponential models.
 
 Algorithm 2 of the VIPS paper (Park et al. 2020), with one joint Gaussian release per
-iteration::
+iteration:
 
     for t = 0, ..., T-1:
         draw a batch B_t (Poisson with rate q, or S records without replacement)
@@ -186,45 +186,40 @@ def fit_vips(model, data, *, privacy=None, batch_size: int | None = None, steps:
     scale = size / float(batch_size)  # 1 / rate: the sum over the batch estimates the sum over the rows
     symmetric = tuple(model.symmetric_blocks)
 
-    available = release is not None and hasattr(model, "noise_aware_params")
-    if noise_aware and not available:
-        raise ValueError(f"fit_vips: noise_aware=True needs a private fit of a model with noise_aware_params "
-                         f"(BayesianLinearRegression); this is a {'private' if release is not None else 'non-private'} "
-                         f"fit of a {type(model).__name__}: leave noise_aware out")
-    aware = available and noise_aware is not False
-
-    def one_step(arrays, carry, inputs):
-        params, released = carry
+    def one_step(arrays, params, inputs):
         t, key = inputs
         key_batch, key_noise = jax.random.split(key)
         idx, mask = sampler(key_batch)
         batch = tuple(a[idx] for a in arrays)
         enp = model.expected_natural_params(params)
         ess, _ = model.clipped_ess_sum(enp, batch, mask, bounds)  # the clip count is private: dropped
-        rho = step_size(t.astype(jnp.result_type(float)), tau0, kappa)
         if release is not None:
             ess = release_ess(ess, bounds, release.noise_std_rescaled, key_noise, symmetric)
-            if aware:  # the same releases blended before the projection (noise_aware_params)
-                released = blend(released, model.m_step(released, scale_ess(ess, scale)), rho)
             ess = model.postprocess_noisy_ess(ess)
         target = model.m_step(params, scale_ess(ess, scale))
+        rho = step_size(t.astype(jnp.result_type(float)), tau0, kappa)
         new_params = model.refresh(blend(params, target, rho))
-        return (new_params, released), {"rho": rho}  # the realised batch size would reveal the Poisson sample
+        return new_params, {"rho": rho}  # the realised batch size would reveal the Poisson sample
 
     @jax.jit
-    def run(carry, keys, arrays):  # data are arguments, not constants folded into the program
+    def run(params, keys, arrays):  # data are arguments, not constants folded into the program
         steps = (jnp.arange(iterations), keys)
-        return jax.lax.scan(lambda c, inputs: one_step(arrays, c, inputs), carry, steps)
+        return jax.lax.scan(lambda p, inputs: one_step(arrays, p, inputs), params, steps)
 
     params = model.init_params(key_init)
-    (params, released), trace = run((params, params), jax.random.split(key_steps, iterations), data)
+    params, trace = run(params, jax.random.split(key_steps, iterations), data)
     history = [{"step": t + 1, "rho": float(rho)} for t, rho in enumerate(np.asarray(trace["rho"]))]
 
+    available = release is not None and hasattr(model, "noise_aware_params")
+    if noise_aware and not available:
+        raise ValueError(f"fit_vips: noise_aware=True needs a private fit of a model with noise_aware_params "
+                         f"(BayesianLinearRegression); this is a {'private' if release is not None else 'non-private'} "
+                         f"fit of a {type(model).__name__}: leave noise_aware out")
     fitted, variance = None, None
     if release is not None:
         variance = release_noise_variance(np.asarray(trace["rho"]), scale, release.noise_std_rescaled, release.bounds)
-    if aware:
-        fitted, params = params, model.noise_aware_params(params, variance, released=released)
+    if available and noise_aware is not False:
+        fitted, params = params, model.noise_aware_params(params, variance)
 
     ledger = None
     if release is not None:
