@@ -1,7 +1,7 @@
 """``fit_vips``: (private) stochastic variational Bayes for conjugate-exponential models.
 
 Algorithm 2 of the VIPS paper (Park et al. 2020), with one joint Gaussian release per
-iteration:
+iteration::
 
     for t = 0, ..., T-1:
         draw a batch B_t (Poisson with rate q, or S records without replacement)
