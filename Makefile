@@ -10,11 +10,14 @@ DOCS_STAMP := $(VENV)/.installed-docs
 
 .PHONY: demo test test-fast bench docs clean
 
-$(STAMP): pyproject.toml
+# one recipe for both environments' stamps, each with its extras
+$(STAMP): EXTRAS = dev,examples,flower
+$(DOCS_STAMP): EXTRAS = docs,examples,flower
+$(STAMP) $(DOCS_STAMP): pyproject.toml
 	test -x $(BIN)/python || $(PYTHON) -m venv $(VENV)
 	$(BIN)/python -m pip install --quiet --upgrade pip
-	$(BIN)/python -m pip install --quiet -e ".[dev,examples,flower]"
-	touch $(STAMP)
+	$(BIN)/python -m pip install --quiet -e ".[$(EXTRAS)]"
+	touch $@
 
 demo: $(STAMP)
 	$(BIN)/dppvi demo
@@ -28,12 +31,6 @@ test-fast: $(STAMP)
 
 bench: $(STAMP)
 	$(BIN)/dppvi bench
-
-$(DOCS_STAMP): pyproject.toml
-	test -x $(BIN)/python || $(PYTHON) -m venv $(VENV)
-	$(BIN)/python -m pip install --quiet --upgrade pip
-	$(BIN)/python -m pip install --quiet -e ".[docs,examples,flower]"
-	touch $(DOCS_STAMP)
 
 # the API reference and the chapters, into docs/_build/html; any warning fails the build
 docs: $(DOCS_STAMP)
