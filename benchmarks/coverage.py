@@ -234,8 +234,7 @@ def main(argv=None) -> dict:
     rows = []
     for method, epsilon, n in cells([c for c in args.cells if c != "adult"]):
         private_sgd = method in ("dp_optimisation", "dp_global_vi")
-        # virtual clients are not noise-aware: their default is their noise_aware=False
-        modes = ["default"] if epsilon is None or method == "virtual_clients" else args.modes
+        modes = ["default"] if epsilon is None else args.modes
         for clipping in (args.clipping if private_sgd else ["default"]):
             for mode in modes:
                 row = run_cell(method, epsilon, n, args.datasets, clipping, None if mode == "default" else False)

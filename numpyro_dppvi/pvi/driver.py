@@ -35,7 +35,7 @@ from ..privacy.noise import float32_at_least
 from ..privacy.sizes import declared_sizes, public_client_sizes
 from ..program_cache import cached, to_device
 from ..results import DPPVIResult
-from . import noise_aware
+from . import noise_aware, release_noise
 from . import plan as plan_module
 from . import resume as resume_module
 from .defaults import (DEFAULT_LOCAL_STEPS, DEFAULT_OPTIMIZER, FAILED_UPDATES_TOLERATED,
@@ -163,13 +163,19 @@ class DPPVI:
         if isinstance(optimizer, PrivateNewton) and (method != "dp_optimisation" or family == "low_rank"):
             raise ValueError("optim.PrivateNewton is the local step of method='dp_optimisation' with family "
                              "'mean_field' or 'full_rank'; leave optimizer out for the method's default")
-        supported = method == "dp_optimisation" and family in ("mean_field", "full_rank") and privacy is not None \
+        newton_aware = method == "dp_optimisation" and family in ("mean_field", "full_rank") \
             and (self.auto_local_step or isinstance(optimizer, PrivateNewton))
+        release_aware = method == "virtual_clients" and family == "mean_field" and not trusted_aggregator \
+            and privacy_unit == "example"
+        supported = privacy is not None and (newton_aware or release_aware)
         if noise_aware and not supported:
             raise ValueError(
                 f"noise_aware=True is available for method='dp_optimisation' with family 'mean_field' or 'full_rank' "
-                f"and optim.PrivateNewton local steps (got method={method!r}, family={family!r}, optimizer="
+                f"and optim.PrivateNewton local steps, and for method='virtual_clients' with family 'mean_field', "
+                f"each client releasing its own update (got method={method!r}, family={family!r}, optimizer="
                 f"{type(optimizer).__name__ if optimizer is not None else None}"
+                f"{', trusted_aggregator=True' if trusted_aggregator else ''}"
+                f"{', privacy_unit=' + repr(privacy_unit) if privacy_unit != 'example' else ''}"
                 f"{'' if privacy is not None else ', no privacy'}); leave noise_aware out (None) to use it where it "
                 "is available, or pass optimizer=optim.PrivateNewton()")
         if isinstance(optimizer, PrivateNewton):
@@ -356,6 +362,8 @@ class DPPVI:
         if self.method in UPDATE_METHODS:
             extras.update(ids=np.asarray(self.shard_ids), num_shards=np.asarray(self.num_shards, np.float32),
                           noise_std=np.zeros(m, np.float32))
+        if self.method == "virtual_clients":
+            extras[release_noise.KEY] = np.zeros(m, np.float32)
         if plan is not None and plan.kind != "client":
             extras["noise_std"] = float32_at_least([plan.noise_std(j) for j in range(m)])
         if plan is not None and plan.kind == "dp_sgd":
@@ -512,11 +520,19 @@ class DPPVI:
     config = settings
 
     def _result(self, state: PVIState, history: list) -> DPPVIResult:
-        q = noise_aware.posterior(state.q, state.client_state) if self.noise_aware else state.q
+        q = self._noise_aware_q(state) if self.noise_aware else state.q
         return DPPVIResult(self.adapter, q, history, method=self.method, schedule=self.schedule,
                            privacy=self.ledger, config=self.settings(), rounds=int(state.round),
                            convergence=getattr(self, "convergence", None),
                            q_fitted=state.q if self.noise_aware else None)
+
+    def _noise_aware_q(self, state: PVIState):
+        """The noise-aware posterior: the fixed point of DP optimisation's noisy-observation factors
+        (:mod:`.noise_aware`), or ``q`` with the noise virtual clients' releases left in it integrated out
+        (:mod:`.release_noise`)."""
+        if self.method == "virtual_clients":
+            return release_noise.posterior(state.q, state.client_state)
+        return noise_aware.posterior(state.q, state.client_state)
 
     def _public_entry(self, state, metrics, seconds) -> tuple[dict, dict]:
         """Split one round's record into what may be published and what stays in the private checkpoint."""
@@ -648,20 +664,33 @@ class DPPVI:
         """Warn (:class:`~numpyro_dppvi.diagnostics.NoiseWarning`) when the releases' noise (the mechanism's and
         the Poisson batches') dominates a noise-aware posterior: some coordinate's sd is more than :data:`~numpyro_dppvi.diagnostics.NOISE_WIDENS` times
         what the clients' released curvature would give without the noise (:func:`.noise_aware.widening`,
-        post-processing of the releases). The intervals are honest, but most of their width is the noise."""
-        ratio = np.asarray(noise_aware.noise_widening(state.q, state.client_state))
+        post-processing of the releases; virtual clients: what ``q`` gives, :func:`.release_noise.widening`). The
+        intervals are honest, but most of their width is the noise."""
+        virtual = self.method == "virtual_clients"
+        if virtual:
+            ratio = np.asarray(release_noise.widening(state.q, state.client_state))
+        else:
+            ratio = np.asarray(noise_aware.noise_widening(state.q, state.client_state))
         if not float(ratio.max()) > diagnostics.NOISE_WIDENS:
             return
         worst = int(np.argmax(ratio))
         sites = self.adapter.sites_of(ratio > diagnostics.NOISE_WIDENS)
-        batch = "" if self.caller == "fit_global_vi" else ", fewer clients with more data each"
+        if virtual:  # the noise left in q grows as damping^2 x rounds x sigma^2, sigma itself growing with the rounds
+            source, fix = "the DP mechanism's", (
+                "a larger epsilon, fewer rounds or a smaller damping for the same epsilon (each virtual factor then "
+                "moves less of the way to its optimum: a trade of noise for bias), or fewer clients with more data "
+                "each would narrow them")
+        else:
+            batch = "" if self.caller == "fit_global_vi" else ", fewer clients with more data each"
+            source, fix = "the DP mechanism's and the batches' sampling", (
+                f"a larger batch_size (the noise of a release is the same, its signal grows), a larger epsilon{batch}, "
+                "or fewer rounds x local_steps for the same epsilon would narrow them")
         warnings.warn(
-            f"{self.caller}: the noise of the releases (the DP mechanism's and the batches' sampling) dominates the "
+            f"{self.caller}: the noise of the releases ({source}) dominates the "
             f"posterior: its sds are up to {ratio[worst]:.2g} times what the clients' data would give without it "
             f"(sites {sites}; the noise carries "
             f"{1.0 - 1.0 / ratio[worst] ** 2:.0%} of the variance there). The intervals account for it, but they "
-            f"are wide because of it: a larger batch_size (the noise of a release is the same, its signal grows), a "
-            f"larger epsilon{batch}, or fewer rounds x local_steps for the same epsilon would narrow them.",
+            f"are wide because of it: {fix}.",
             diagnostics.NoiseWarning, stacklevel=diagnostics.user_stacklevel())
 
     def _convergence(self, trajectory, history: list) -> dict:

@@ -46,7 +46,9 @@ adaptively. Concretely:
   ``E_q[log p(x_{m,k} | theta)] - KL(q || cavity_m) / N_m`` (eq. 4.1) with full-shard steps; the
   client's proposal is ``eta(q) + R_m / N_m`` (eq. 4.7).
 * **Virtual clients** (Algorithm 3): shard ``k`` has its own factor ``t_{m,k}`` and cavity
-  ``q / t_{m,k}`` and runs one PVI local step; the client's proposal is ``eta(q) + R_m``.
+  ``q / t_{m,k}`` and runs one PVI local step; the client's proposal is ``eta(q) + R_m``. Since the virtual
+  factors hold no noise, the noise of every applied release stays in ``t_m``, with a variance the client
+  carries (:mod:`.release_noise`, the noise-aware posterior).
 * **Parameter perturbation**: local averaging with one shard.
 
 **Invalid noisy updates**: the noisy proposal can have a non-positive precision. The damped update
@@ -71,7 +73,7 @@ from .. import factors, objectives
 from ..factors import Gaussian
 from ..privacy import noise
 from ..privacy.mechanisms import add_frobenius_symmetric_noise, add_gaussian_noise, clip_update, project_psd
-from . import full_rank, low_rank
+from . import full_rank, low_rank, release_noise
 from .local import optimise
 
 INVALID_RULES = ("reject", "floor")
@@ -173,6 +175,8 @@ class ShardRule:
     rank: int = 0  # family "low_rank": the rank r of the public basis the releases are written in
 
     uses_client_cavity = True
+    #: Antithetic draws in the shards' local steps (:func:`~numpyro_dppvi.objectives.standard_draws`).
+    antithetic = False
 
     def scale(self, num_shards):
         """Factor between the release and the change of ``q`` the client proposes."""
@@ -199,7 +203,13 @@ class ShardRule:
         proposal = propose(q, cavity, released, self.scale(client_state["num_shards"]), client_state["noise_std"])
         proposal, invalid = apply_invalid_rule(q, proposal, self.damping, self.invalid, self.precision_floor)
         accepted = ~invalid if self.invalid == "reject" else jnp.ones((), bool)
-        return proposal, self.commit(client_state, tentative, accepted), {"loss": jnp.zeros(()), "invalid": invalid}
+        state = self.carry_noise(self.commit(client_state, tentative, accepted), accepted)
+        return proposal, state, {"loss": jnp.zeros(()), "invalid": invalid}
+
+    def carry_noise(self, client_state, accepted):
+        """The client state with what the release's noise left in the client's factor (only virtual clients
+        track it: :mod:`.release_noise`)."""
+        return client_state
 
 
 @dataclass(frozen=True)
@@ -243,6 +253,10 @@ class VirtualClients(ShardRule):
     """
 
     uses_client_cavity = False
+    #: One record per virtual client sums the Monte Carlo noise of thousands of local fits; antithetic pairs take
+    #: the part linear in the draws out (measured on the coverage study, 10 rounds, noise multiplier 0.02, 12 data
+    #: sets: RMSE 0.155 against 0.163, and 0.078 against 0.087 after 40 rounds at damping 0.3)
+    antithetic = True
 
     def init_client_state(self, arrays, mask, key):
         k = mask.shape[0]
@@ -272,6 +286,10 @@ class VirtualClients(ShardRule):
     def commit(self, client_state, tentative, accepted):
         return jax.tree.map(lambda new, old: jnp.where(accepted, new, old), tentative, client_state)
 
+    def carry_noise(self, client_state, accepted):
+        """Eq. (1) of :mod:`.release_noise`: the factor took ``rho xi_m`` when the update was accepted."""
+        return release_noise.carried(client_state, self.damping, accepted)
+
 
 def fit_shard(rule, q, cavity, arrays, mask, n_eff, key, opt_state=None):
     """``local_steps`` full-shard steps from ``q`` on ``mean_i E_q[log p(x_i)] + (E_q log cavity + H[q]) / n_eff``;
@@ -291,7 +309,7 @@ def fit_shard(rule, q, cavity, arrays, mask, n_eff, key, opt_state=None):
         return q_new, opt_state
 
     def gradient(params, k, t):
-        eps = jax.random.normal(k, (rule.num_samples, rule.dim))
+        eps = objectives.standard_draws(k, rule.num_samples, rule.dim, rule.antithetic)
         loss = lambda p: -objectives.local_elbo(rule.log_lik_rows, p, eps, arrays, mask, n_eff, cavity)
         value, grads = jax.value_and_grad(loss)(params)
         return grads, value
