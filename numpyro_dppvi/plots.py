@@ -8,13 +8,17 @@ omitted) and returns the axes. Everything drawn is public: the history, the ledg
 * :func:`plot_epsilon`: each client's epsilon against the rounds, recomputed from the ledger and the history;
 * :func:`plot_convergence`: the history's ``change`` (the largest step of ``q`` in posterior sds) per round;
 * :func:`plot_privacy_utility`: a metric of the last round (e.g. test ``accuracy``, with ``eval_data``) against
-  the ledger's epsilon, over fits at several budgets.
+  the ledger's epsilon, over fits at several budgets;
+* :func:`plot_calibration`: the coverage of the true values by the posteriors' central credible intervals against
+  their level (:func:`interval_coverage`), over fits to data sets simulated from known values (the check of
+  ``benchmarks/coverage.py``).
 """
 
 from __future__ import annotations
 
-from typing import Sequence
+from typing import Mapping, Sequence
 
+import jax
 import numpy as np
 
 from .privacy import backends
@@ -146,6 +150,63 @@ def plot_privacy_utility(results, metric: str = "accuracy", ax=None, label: str 
     ax.set_xscale("log")
     ax.set_xlabel("epsilon")
     ax.set_ylabel(metric)
+    if label is not None:
+        ax.legend(fontsize="small")
+    return ax
+
+
+#: Levels of the central credible intervals :func:`plot_calibration` checks by default.
+LEVELS = (0.1, 0.2, 0.3, 0.4, 0.5, 0.6, 0.7, 0.8, 0.9, 0.95)
+
+
+def interval_coverage(results, truths: Sequence[Mapping], levels: Sequence[float] = LEVELS,
+                      num_samples: int = 2000, rng_key=None) -> tuple[np.ndarray, np.ndarray]:
+    """``(coverage, se)``, each ``[L]``: at each level ``a`` of ``levels``, the share of the true values inside the
+    central ``a`` credible interval of their marginal posterior (the ``(1 - a) / 2`` and ``(1 + a) / 2`` quantiles
+    of ``num_samples`` draws of ``result.sample``), averaged over the results, and its standard error over them.
+
+    ``truths[i]`` maps site names of ``results[i]`` to the values the data set was simulated from (every
+    coordinate of those sites is counted). A calibrated posterior covers about ``a`` at every level; the
+    coordinates of one fit are not independent, so the se is taken across the fits (as in
+    ``benchmarks/coverage.py``). Works for any result with ``sample`` (DP-PVI, VIPS, VFL)."""
+    results, truths = list(results), list(truths)
+    if len(results) != len(truths) or not results:
+        raise ValueError(f"give one truth per result ({len(results)} results, {len(truths)} truths), at least one")
+    levels = np.asarray(levels, np.float64)
+    if np.any((levels <= 0) | (levels >= 1)):
+        raise ValueError(f"levels must lie strictly between 0 and 1, got {levels.tolist()}")
+    per_fit = []
+    for i, (result, truth) in enumerate(zip(results, truths)):
+        key = None if rng_key is None else jax.random.fold_in(rng_key, i)
+        draws = result.sample(num_samples, key)
+        inside = []
+        for site, value in truth.items():
+            if site not in draws:
+                raise ValueError(f"result {i} has no site {site!r} (its sites: {sorted(draws)})")
+            samples = np.asarray(draws[site], np.float64).reshape(num_samples, -1)
+            value = np.broadcast_to(np.asarray(value, np.float64), np.shape(draws[site])[1:]).reshape(-1)
+            lo = np.quantile(samples, (1.0 - levels) / 2.0, axis=0)
+            hi = np.quantile(samples, (1.0 + levels) / 2.0, axis=0)
+            inside.append((lo <= value) & (value <= hi))  # [L, coordinates]
+        per_fit.append(np.concatenate(inside, axis=1).mean(axis=1))
+    per_fit = np.stack(per_fit)
+    se = per_fit.std(axis=0, ddof=1) / np.sqrt(len(per_fit)) if len(per_fit) > 1 else np.full(len(levels), np.nan)
+    return per_fit.mean(axis=0), se
+
+
+def plot_calibration(results, truths: Sequence[Mapping], levels: Sequence[float] = LEVELS, ax=None,
+                     label: str | None = None, num_samples: int = 2000, rng_key=None):
+    """The empirical coverage of :func:`interval_coverage` against the nominal level, with two standard errors as
+    error bars and the diagonal a calibrated posterior follows (below it: over-confident intervals, as a private
+    fit whose ``q`` leaves out the DP noise; above it: too wide)."""
+    ax = _axes(ax)
+    coverage, se = interval_coverage(results, truths, levels, num_samples, rng_key)
+    ax.plot([0, 1], [0, 1], linestyle="--", color="grey")
+    ax.errorbar(np.asarray(levels), coverage, yerr=2.0 * se, marker="o", capsize=2, label=label)
+    ax.set_xlabel("credible level")
+    ax.set_ylabel("coverage of the true values")
+    ax.set_xlim(0, 1)
+    ax.set_ylim(0, 1)
     if label is not None:
         ax.legend(fontsize="small")
     return ax

@@ -75,3 +75,52 @@ def test_what_cannot_be_plotted_says_why():
     with pytest.raises(ValueError, match="eval_data"):
         plots.plot_privacy_utility([private_fit()])
     plt.close("all")
+
+
+class Posterior:
+    """A stand-in result whose posterior of ``w`` is N(mean, sd^2) (any object with ``sample`` is plotted)."""
+
+    def __init__(self, mean, sd):
+        self.mean, self.sd = np.asarray(mean), sd
+
+    def sample(self, num_samples, rng_key=None):
+        noise = jax.random.normal(rng_key, (num_samples,) + self.mean.shape)
+        return {"w": self.mean + self.sd * np.asarray(noise)}
+
+
+def test_interval_coverage_is_the_level_for_calibrated_posteriors_and_falls_for_narrow_ones():
+    """Truths drawn from N(mean, 1) for 300 posteriors N(mean, 1) of 3 coordinates: the central intervals cover
+    their level (se over fits ~ sqrt(a (1 - a) / 3 / 300) <= 0.017; 0.06 allowed, and the reported se agrees with
+    it within a factor of 2); posteriors with half the sd cover 2 Phi(z_a / 2) - 1 (0.589 at 90%), which the
+    check must tell apart."""
+    from scipy import stats
+
+    rng = np.random.default_rng(0)
+    means = rng.normal(size=(300, 3))
+    truths = [{"w": m + rng.normal(size=3)} for m in means]
+    levels = np.array([0.5, 0.9])
+    key = jax.random.key(1)
+    coverage, se = plots.interval_coverage([Posterior(m, 1.0) for m in means], truths, levels, 4000, key)
+    np.testing.assert_allclose(coverage, levels, atol=0.06)
+    expected_se = np.sqrt(levels * (1 - levels) / 900)
+    assert np.all((se > expected_se / 2) & (se < expected_se * 2)), se
+    narrow, _ = plots.interval_coverage([Posterior(m, 0.5) for m in means], truths, levels, 4000, key)
+    np.testing.assert_allclose(narrow, 2 * stats.norm.cdf(stats.norm.ppf((1 + levels) / 2) / 2) - 1, atol=0.06)
+    ax = plots.plot_calibration([Posterior(m, 1.0) for m in means[:20]], truths[:20], levels, rng_key=key)
+    line = ax.get_lines()[1]
+    np.testing.assert_allclose(line.get_ydata(), plots.interval_coverage(
+        [Posterior(m, 1.0) for m in means[:20]], truths[:20], levels, rng_key=key)[0])
+    with pytest.raises(ValueError, match="one truth per result"):
+        plots.interval_coverage([Posterior(means[0], 1.0)], truths[:2])
+    with pytest.raises(ValueError, match="no site 'b'"):
+        plots.interval_coverage([Posterior(means[0], 1.0)], [{"b": 0.0}], rng_key=key)
+    plt.close("all")
+
+
+def test_plot_calibration_reads_a_private_fit():
+    """A real result: the sites of the model and the number of levels drawn."""
+    result = private_fit(4.0)
+    ax = plots.plot_calibration([result], [{"w": np.array([1.0, -1.0, 0.5])}], levels=[0.5, 0.9],
+                                rng_key=jax.random.key(0))
+    assert len(ax.get_lines()[1].get_ydata()) == 2
+    plt.close("all")
