@@ -41,12 +41,21 @@ extensions = [
     "sphinx.ext.napoleon",
     "sphinx.ext.mathjax",
     "sphinx.ext.viewcode",
-    "myst_parser",
+    "myst_nb",
 ]
 
-source_suffix = {".rst": "restructuredtext", ".md": "markdown"}
+source_suffix = {".rst": "restructuredtext", ".md": "myst-nb", ".py": "myst-nb"}
 root_doc = "index"
-exclude_patterns = ["_build", "Thumbs.db", ".DS_Store"]
+exclude_patterns = ["_build", "Thumbs.db", ".DS_Store", "conf.py"]
+
+# Tutorials: plain-text notebooks (jupytext's percent format, docs/tutorials/*.py), executed on every build
+# (myst-nb; an error in a cell fails the build) and rendered with their outputs and figures. The test suite
+# runs the same files as scripts (tests/test_tutorials.py).
+nb_custom_formats = {".py": ["jupytext.reads", {"fmt": "py:percent"}]}
+nb_execution_mode = "force"
+nb_execution_timeout = 900
+nb_execution_raise_on_error = True
+nb_execution_show_tb = True
 
 # Markdown chapters: $...$ and $$...$$ as MathJax formulas; headings get anchors for links.
 myst_enable_extensions = ["dollarmath", "colon_fence"]
