@@ -81,15 +81,15 @@ for eps in (8.0, 1.0):  # public_sizes: a public upper bound of the rows, so the
 print(result.privacy.report())
 
 # %% [markdown]
-# Without privacy VIPS is the exact posterior. The private posteriors are wider (2 times the exact sds at
-# epsilon 8 on 4,000 rows, about 8 times at epsilon 1) and their means move with the noise: measured in their
-# own sds, the distance to the exact mean is what a calibrated posterior would show from time to time, and here
-# it reaches about two sds on one weight, on this one data set and draw of the noise.
+# Without privacy VIPS is the exact posterior. The private posteriors are wider (about 1.6 times the exact sds at
+# epsilon 8 on 4,000 rows, about 5 times at epsilon 1) and their means move with the noise: measured in their
+# own sds, the distance to the exact mean is what a calibrated posterior would show from time to time (here up to
+# about 1.7 sds on one weight, on this one data set and draw of the noise).
 #
-# The private posteriors are *noise-aware* by default: the noise in the released `X^T y` and `X^T X` is modelled
-# (Bernstein & Sheldon's noisy-observation view, to first order in the `X^T X` block), so their sds widen with
-# it. `noise_aware=False` reports the fitted parameters, whose sds do not know the noise. What this gives over
-# many data sets (`benchmarks/coverage.py`, docs/vips.md): 90% intervals that cover 0.88 at epsilon 8 (0.26 as
-# fitted); at epsilon 1 with 2,000 rows the noise in `X^T X` is too large for a first-order correction, and they
-# cover only 0.53. Check your own setting with simulated data (`plots.plot_calibration`) before you read the
-# intervals as uncertainty.
+# The private posteriors are *noise-aware* by default: they are the posterior of `w` given what the fit released
+# (Bernstein & Sheldon's model of noisy sufficient statistics), with the noise in `X^T y` modelled exactly and the
+# noise in `X^T X` integrated out by importance sampling, so `result.sample` draws from a mixture of Gaussians.
+# `noise_aware=False` reports the fitted parameters, whose sds do not know the noise. What this gives over many
+# data sets (`benchmarks/coverage.py`, docs/vips.md, 50 data sets of 2,000 rows): 90% intervals that cover 0.94 at
+# epsilon 1 (0.08 as fitted). Check your own setting with simulated data (`plots.plot_calibration`) before you
+# read the intervals as uncertainty.

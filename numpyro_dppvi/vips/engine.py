@@ -88,6 +88,10 @@ class ConjugateModelBase:
 
     block_bounds: Mapping[str, float] = {}
     symmetric_blocks: tuple = ()
+    #: whether ``example_ess`` reads q's expected natural parameters (latent variables per record: the E-step).
+    #: ``False`` (linear regression): :func:`~numpyro_dppvi.vips.fit.fit_vips` blends the released statistics as
+    #: they are and projects them onto the valid set once, at the end (:func:`~numpyro_dppvi.vips.fit.deferred_validity`).
+    ess_uses_params: bool = True
 
     def __new__(cls, *args, **kwargs):
         instance = super().__new__(cls)

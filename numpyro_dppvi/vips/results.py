@@ -30,6 +30,17 @@ def _jsonable(value):
     return array.tolist() if array.ndim else array.item()
 
 
+def _params_template(model, arrays) -> dict:
+    """The prior's pytree, plus a noise-aware mixture (``BayesianLinearRegression.noise_aware_params``) shaped as
+    saved."""
+    template = model.prior_params()
+    names = {"weights", "means", "scale_tril"}
+    mixture = {name: np.zeros(arrays[f"['params']['mixture']['{name}']"].shape,
+                              arrays[f"['params']['mixture']['{name}']"].dtype)
+               for name in names if f"['params']['mixture']['{name}']" in arrays}
+    return {**template, "mixture": mixture} if mixture else template
+
+
 def _model_classes() -> dict:
     """``{name: class}`` of the package's conjugate models (every subclass of ``ConjugateModelBase``)."""
     found, todo = {}, [ConjugateModelBase]
@@ -168,7 +179,8 @@ class VIPSResult(Result):
             conjugate = model_from_config(meta["model"], registry)
             numpyro_model = model
         fitted = any(name.startswith("['params_fitted']") for name in arrays)
-        template = {"params": conjugate.prior_params(), **({"params_fitted": conjugate.prior_params()} if fitted else {})}
+        template = {"params": _params_template(conjugate, arrays),
+                    **({"params_fitted": conjugate.prior_params()} if fitted else {})}
         restored = checkpoint.unflatten_like(template, arrays)
         params = restored["params"]
         layout = meta["site_map"]
