@@ -34,7 +34,7 @@ def _params_template(model, arrays) -> dict:
     """The prior's pytree, plus a noise-aware mixture (``BayesianLinearRegression.noise_aware_params``) shaped as
     saved."""
     template = model.prior_params()
-    names = {"weights", "means", "scale_tril"}
+    names = ("weights", "means", "scale_tril")
     mixture = {name: np.zeros(arrays[f"['params']['mixture']['{name}']"].shape,
                               arrays[f"['params']['mixture']['{name}']"].dtype)
                for name in names if f"['params']['mixture']['{name}']" in arrays}
