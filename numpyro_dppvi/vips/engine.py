@@ -29,6 +29,9 @@ import numpy as np
 
 Params = Any  # pytree of the global variational parameters (natural parameters + hyper)
 ESS = dict  # block name -> array (per example, or summed over examples)
+#: The most per-example statistics (numbers, all blocks of all records) a batch's sum holds at once: 2^23, 32 MB
+#: a copy in float32; larger batches are summed in chunks (:meth:`ConjugateModelBase.clipped_ess_sum`).
+ESS_CHUNK_ELEMENTS = 2**23
 
 
 @runtime_checkable
@@ -115,13 +118,47 @@ class ConjugateModelBase:
         ``bounds=None`` sums without clipping (non-private fits). Returns
         ``(ess_sum, num_clipped)`` where ``num_clipped`` counts examples of which at least
         one block was scaled down.
+
+        The per-example statistics are held for at most :data:`ESS_CHUNK_ELEMENTS` numbers at a
+        time: a large batch is summed in chunks (``lax.scan``), since a full-batch fit of a
+        ``D x D`` block holds ``N D^2`` of them (Adult, ``D = 105``: 30,000 records, 1.3 GB a copy).
+        Each record is still clipped on its own, so the sum and its sensitivity are the same.
         """
+        size = self._example_ess_size(expected_natural_params, batch)
+        num = mask.shape[0]
+        chunk = max(1, min(num, ESS_CHUNK_ELEMENTS // max(size, 1)))
+        if chunk >= num:
+            return self._clipped_chunk_sum(expected_natural_params, batch, mask, bounds)
+        pad = (-num) % chunk
+        # padding repeats the last record with mask 0: a real record (finite, valid), summed with weight 0
+        batch = jax.tree_util.tree_map(
+            lambda a: jnp.concatenate([a, jnp.repeat(a[-1:], pad, axis=0)]).reshape((-1, chunk) + a.shape[1:]),
+            batch)
+        mask = jnp.concatenate([mask, jnp.zeros(pad, mask.dtype)]).reshape(-1, chunk)
+
+        def add_chunk(total, chunk_and_mask):
+            ess, clipped = self._clipped_chunk_sum(expected_natural_params, *chunk_and_mask, bounds)
+            return jax.tree_util.tree_map(jnp.add, total, (ess, clipped)), None
+
+        zero = jax.eval_shape(self._clipped_chunk_sum, expected_natural_params,
+                              jax.tree_util.tree_map(lambda a: a[0], batch), mask[0], bounds)
+        zero = jax.tree_util.tree_map(lambda s: jnp.zeros(s.shape, s.dtype), zero)
+        total, _ = jax.lax.scan(add_chunk, zero, (batch, mask))
+        return total
+
+    def _example_ess_size(self, expected_natural_params, batch) -> int:
+        """How many numbers one record's statistics hold (all blocks)."""
+        example = jax.tree_util.tree_map(lambda a: jax.ShapeDtypeStruct(a.shape[1:], a.dtype), batch)
+        shapes = jax.eval_shape(self.example_ess, expected_natural_params, example)
+        return int(sum(np.prod(s.shape, dtype=int) for s in jax.tree_util.tree_leaves(shapes)))
+
+    def _clipped_chunk_sum(self, expected_natural_params, batch, mask, bounds):
         per_example = jax.vmap(self.example_ess, in_axes=(None, 0))(
             expected_natural_params, batch)
         if bounds is None:
             return masked_block_sum(per_example, mask), jnp.zeros((), jnp.int32)
         clipped, was_clipped = clip_example_blocks(per_example, bounds)
-        return masked_block_sum(clipped, mask), jnp.sum(was_clipped & mask)
+        return masked_block_sum(clipped, mask), jnp.sum(was_clipped & mask).astype(jnp.int32)
 
     def postprocess_noisy_ess(self, ess_total: ESS) -> ESS:
         """Map a noisy ESS sum back into the set of valid sums (identity by default)."""

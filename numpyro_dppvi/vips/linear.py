@@ -250,7 +250,17 @@ class BayesianLinearRegression(_BoundedXY, ConjugateModelBase):
         return dist.MultivariateNormal(mean, covariance_matrix=cov)
 
     def sample_posterior(self, params, rng_key, num_samples):
-        return {"w": self.posterior_distribution(params).sample(rng_key, (num_samples,))}
+        """Draws of ``w``; from a noise-aware mixture, a component for each draw and then its Gaussian (memory
+        ``num_samples x D^2``; ``MixtureSameFamily.sample`` draws from every component for every draw:
+        ``num_samples x K x D``, 20,000 draws of 2,000 components a few GB)."""
+        if "mixture" not in params:
+            return {"w": self.posterior_distribution(params).sample(rng_key, (num_samples,))}
+        mixture = params["mixture"]
+        key_component, key_normal = jax.random.split(rng_key)
+        component = dist.Categorical(probs=mixture["weights"]).sample(key_component, (num_samples,))
+        normal = jax.random.normal(key_normal, (num_samples, mixture["means"].shape[-1]), mixture["means"].dtype)
+        return {"w": mixture["means"][component]
+                + jnp.einsum("nij,nj->ni", mixture["scale_tril"][component], normal)}
 
     def predict_mean(self, params, x):
         mean, _ = gaussian_moments(params["eta"], params["precision"])
