@@ -36,19 +36,11 @@ def _accounting_memo_in_process_only():
     accounting_memo.use(None)
 
 
-@pytest.fixture(scope="module", autouse=True)
-def _programs_released_after_each_module(request):
-    """Each test file starts with no compiled program in memory (issue 26: the suite's peak memory).
-    A worker runs many files in turn, and XLA's executables, JAX's tracing caches and the package's
-    program store otherwise accumulate over all of them. Programs shared within a file stay; a later
-    file that needs one again reads it from the session's persistent compilation cache instead of
-    compiling it. The freed heap goes back to the system (``malloc_trim``), else the worker's
-    resident size keeps the high-water mark of every file it ran. With ``NUMPYRO_DPPVI_TEST_MEMORY_LOG``
-    set, each file's resident and peak sizes are appended there (to find the file that needs memory)."""
-    yield
+def _release_programs() -> None:
+    """Drop the package's program store and JAX's caches, collect, and give the freed heap back to the system
+    (``malloc_trim``; otherwise the resident size keeps its high-water mark)."""
     import ctypes
     import gc
-    import resource
 
     import jax
 
@@ -61,6 +53,20 @@ def _programs_released_after_each_module(request):
         ctypes.CDLL("libc.so.6").malloc_trim(0)
     except (OSError, AttributeError):  # not glibc
         pass
+
+
+@pytest.fixture(scope="module", autouse=True)
+def _programs_released_after_each_module(request):
+    """Each test file starts with no compiled program in memory (issue 26: the suite's peak memory).
+    A worker runs many files in turn, and XLA's executables, JAX's tracing caches and the package's
+    program store otherwise accumulate over all of them. Programs shared within a file stay; a later
+    file that needs one again reads it from the session's persistent compilation cache instead of
+    compiling it. With ``NUMPYRO_DPPVI_TEST_MEMORY_LOG`` set, each file's resident and peak sizes are
+    appended there (to find the file that needs memory)."""
+    yield
+    import resource
+
+    _release_programs()
     log = os.environ.get("NUMPYRO_DPPVI_TEST_MEMORY_LOG")
     if log:
         with open(f"/proc/{os.getpid()}/status") as status:
@@ -69,3 +75,11 @@ def _programs_released_after_each_module(request):
             out.write(f"{os.getpid()} {request.node.nodeid} rss_mb={int(rss) // 1024} "
                       f"peak_mb={resource.getrusage(resource.RUSAGE_SELF).ru_maxrss // 1024} "
                       f"children_peak_mb={resource.getrusage(resource.RUSAGE_CHILDREN).ru_maxrss // 1024}\n")
+
+
+@pytest.fixture
+def release_programs_after_each_test():
+    """For a file whose tests share no program (each fits its own model): its programs are released after each
+    test, not only at the file's end (``pytestmark = pytest.mark.usefixtures(...)``)."""
+    yield
+    _release_programs()

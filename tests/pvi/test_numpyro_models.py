@@ -42,6 +42,9 @@ from numpyro_dppvi.model_adapter import ModelAdapter
 from .numpyro_models import (MODELS, autonormal_loc, flat_loc, gap, linear_exact, logistic, logistic_data,
                              nuts_moments, poisson, poisson_data, split)
 
+# each test fits its own model: nothing compiled is shared, and a file's programs held to its end were 3.2 GB
+pytestmark = pytest.mark.usefixtures("release_programs_after_each_test")
+
 _REFERENCES = {}
 _NUTS = {}
 
