@@ -30,7 +30,10 @@ import numpy as np
 Params = Any  # pytree of the global variational parameters (natural parameters + hyper)
 ESS = dict  # block name -> array (per example, or summed over examples)
 #: The most per-example statistics (numbers, all blocks of all records) a batch's sum holds at once: 2^23, 32 MB
-#: a copy in float32; larger batches are summed in chunks (:meth:`ConjugateModelBase.clipped_ess_sum`).
+#: a copy in float32; larger batches are summed in chunks (:meth:`ConjugateModelBase.clipped_ess_sum`). Measured
+#: (Adult, 39,074 records, D = 109, full batch, 10 Polya-Gamma iterations, second calls): one pass 6.6-7.8 s and
+#: 4.3 GB resident; in chunks 11.5-12.6 s (the same for 2^21, 2^23 and 2^25) and 0.7 GB. A model whose blocks are
+#: rank one (``w_i x_i x_i^T``) could sum them as ``X^T diag(w) X`` in one product instead.
 ESS_CHUNK_ELEMENTS = 2**23
 
 
