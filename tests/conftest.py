@@ -73,8 +73,7 @@ def _programs_released_after_each_module(request):
             rss = next(line.split()[1] for line in status if line.startswith("VmRSS"))
         with open(log, "a") as out:
             out.write(f"{os.getpid()} {request.node.nodeid} rss_mb={int(rss) // 1024} "
-                      f"peak_mb={resource.getrusage(resource.RUSAGE_SELF).ru_maxrss // 1024} "
-                      f"children_peak_mb={resource.getrusage(resource.RUSAGE_CHILDREN).ru_maxrss // 1024}\n")
+                      f"peak_mb={resource.getrusage(resource.RUSAGE_SELF).ru_maxrss // 1024}\n")
 
 
 @pytest.fixture
