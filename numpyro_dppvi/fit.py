@@ -15,7 +15,7 @@ import functools
 from .pvi.fit import fit_dppvi as _fit_pvi
 from .vips.federated_fit import fit_federated_vips
 
-_VIPS_OPTIONS = {"trusted_aggregator", "detect_options"}
+_VIPS_OPTIONS = {"trusted_aggregator", "detect_options", "noise_aware"}
 
 
 @functools.wraps(_fit_pvi)

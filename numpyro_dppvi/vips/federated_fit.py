@@ -13,6 +13,21 @@ sum in bound-rescaled units: ``sqrt(B)`` when a record is added or removed, ``2 
 is replaced (``B`` blocks, each record's block clipped to its bound): ``Privacy.step_event(z, 1.0)``
 with ``z`` = noise std / ``sqrt(B)``. With ``trusted_aggregator=True`` (synchronous) every client adds
 ``z / sqrt(M)`` and the ledger records the aggregated release (full ``z``) as a joint guarantee.
+
+**Noise-aware posterior** (issue 23; models whose statistics do not depend on ``q``, ``ess_uses_params = False``,
+with ``noise_aware_params``: linear regression). Each round client ``m`` releases ``S_m + xi_{m,r}`` (its clipped
+ESS sum, the same every round) and its factor moves ``rho`` of the way to it, so after ``R`` rounds
+
+    t_m = sum_r w_r (S_m + xi_{m,r}),   w_r = rho (1 - rho)^(R - r),   a = sum_r w_r = 1 - (1 - rho)^R,
+
+and ``E = sum_m t_m / a = S + e`` with ``e`` Gaussian of variance ``(C_b s)^2 M sum_r w_r^2 / a^2`` per coordinate of
+block ``b`` (``s = z sqrt(B)`` the std of a client's noise in rescaled units, ``z`` its noise multiplier; with a
+trusted aggregator ``z = sigma / sqrt(M)``; a symmetric block's noise as :func:`~numpyro_dppvi.vips.release.release_ess`
+draws it). The result's ``params`` is the model's posterior given the noisy ``E`` (``noise_aware_params``,
+Bernstein & Sheldon's model, as :func:`~numpyro_dppvi.vips.fit.fit_vips`), ``params_fitted`` the server's
+parameters as fitted (projected every round). **Privacy**: ``E`` is the sum of the released factors (what the server
+holds), ``a``, ``rho``, ``R``, ``M``, the bounds and ``z`` are public settings: post-processing of the releases
+(Dwork & Roth 2014, Prop. 2.1), no privacy cost, no unreleased value used.
 """
 
 from __future__ import annotations
@@ -25,8 +40,9 @@ from numpyro_dppvi.data import validate_clients
 from numpyro_dppvi.keys import resolve as resolve_key
 from numpyro_dppvi.privacy.calibration import plan_charges
 from numpyro_dppvi.vips.detect import detect_conjugate
-from numpyro_dppvi.vips.engine import is_conjugate_model
+from numpyro_dppvi.vips.engine import is_conjugate_model, joint_sensitivity, scale_bounds
 from numpyro_dppvi.vips.federated import conjugate_client_delta, conjugate_server_update
+from numpyro_dppvi.vips.fit import noise_aware_posterior
 from numpyro_dppvi.vips.release import noise_coordinates
 from numpyro_dppvi.vips.results import VIPSResult
 
@@ -44,15 +60,21 @@ def _resolve_model(model, clients, detect_options):
 
 def fit_federated_vips(model, clients, *, privacy=None, rounds: int = 1, schedule: str = "synchronous",
                        damping: float = 1.0, trusted_aggregator: bool = False, rng_key=None,
-                       detect_options: dict | None = None) -> VIPSResult:
+                       detect_options: dict | None = None, noise_aware: bool | None = None) -> VIPSResult:
     """Federated (DP-)VIPS over ``clients`` (a list of data tuples). Returns a :class:`VIPSResult`
-    whose ``privacy`` ledger has one row per client and whose ``history`` has one entry per round."""
+    whose ``privacy`` ledger has one row per client and whose ``history`` has one entry per round.
+
+    ``noise_aware``: None (default) gives a private fit of a model that has it (linear regression) the
+    noise-aware posterior (module docstring; ``result.params_fitted`` as fitted), ``False`` the parameters as
+    fitted, ``True`` insists (an error for a model or fit without it)."""
     if schedule not in ("synchronous", "sequential"):
         raise ValueError(f"federated VIPS runs schedule='synchronous' or 'sequential', got {schedule!r}")
     if not 0 < damping <= 1:
         raise ValueError(f"damping must be in (0, 1], got {damping}")
     if int(rounds) != rounds or rounds < 1:
         raise ValueError(f"rounds must be a positive integer, got {rounds!r}")
+    if noise_aware not in (None, True, False):
+        raise TypeError(f"fit_federated_vips: noise_aware must be None, True or False, got {noise_aware!r}")
     if trusted_aggregator and (privacy is None or schedule != "synchronous"):
         raise ValueError("trusted_aggregator=True needs privacy and schedule='synchronous'")
     clients = validate_clients(clients)
@@ -96,11 +118,40 @@ def fit_federated_vips(model, clients, *, privacy=None, rounds: int = 1, schedul
         if ledger is not None:
             entry["epsilon"] = ledger.epsilon
         history.append(entry)
-    return VIPSResult(model=conjugate, params=params, history=history, privacy=ledger,
+    available = privacy is not None and hasattr(conjugate, "noise_aware_params") and not getattr(
+        conjugate, "ess_uses_params", True)
+    if noise_aware and not available:
+        raise ValueError(f"fit_federated_vips: noise_aware=True needs a private fit of a model with noise_aware_params "
+                         f"whose statistics do not depend on q (BayesianLinearRegression); this is a "
+                         f"{'private' if privacy is not None else 'non-private'} fit of a {type(conjugate).__name__}: "
+                         f"leave noise_aware out")
+    fitted, variance, draws = None, None, None
+    if privacy is not None:
+        variance = released_sum_noise_variance(damping, int(rounds), num_clients, share * float(
+            joint_sensitivity(scale_bounds(conjugate.block_bounds, clip))), scale_bounds(conjugate.block_bounds, clip))
+    if available and noise_aware is not False:
+        coverage = 1.0 - (1.0 - damping) ** int(rounds)  # a: the weight of S in every factor
+        released = jax.tree_util.tree_map(lambda t: t / coverage, _sum(factors))
+        fitted = params
+        params, draws = noise_aware_posterior(conjugate, conjugate.m_step(conjugate.prior_params(), released),
+                                              variance, "fit_dppvi(method='vips')")
+    return VIPSResult(model=conjugate, params=params, history=history, privacy=ledger, params_fitted=fitted,
                       noise_multiplier=sigma if privacy is not None else None, numpyro_model=numpyro_model,
                       site_map=site_map, info={"federated": True, "schedule": schedule, "damping": damping,
                                                **({"observed": observed} if observed else {}),
-                                               "trusted_aggregator": trusted_aggregator})
+                                               "trusted_aggregator": trusted_aggregator,
+                                               "noise_aware": fitted is not None, "release_noise_variance": variance,
+                                               **({} if draws is None else {"noise_aware_effective_draws": draws})})
+
+
+def released_sum_noise_variance(damping: float, rounds: int, num_clients: int, client_noise_std: float,
+                                bounds: dict) -> dict:
+    """Per block, the variance of the release noise in ``E = sum_m t_m / a`` (module docstring): ``(C_b s)^2 M
+    sum_r w_r^2 / a^2`` with ``s = client_noise_std`` (rescaled units), ``w_r = rho (1 - rho)^(R - r)`` and ``a =
+    sum_r w_r``. Public: the damping, the rounds, the number of clients, the noise std and the bounds."""
+    weights = damping * (1.0 - damping) ** np.arange(rounds, dtype=np.float64)
+    factor = num_clients * float(np.sum(np.square(weights))) / float(np.sum(weights)) ** 2
+    return {name: (float(bound) * client_noise_std) ** 2 * factor for name, bound in bounds.items()}
 
 
 def _zero_factor(conjugate, data, nbar):

@@ -36,7 +36,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from numpyro_dppvi.diagnostics import NoiseWarning
+from numpyro_dppvi.diagnostics import NoiseWarning, user_stacklevel
 from numpyro_dppvi.keys import resolve as resolve_key
 from numpyro_dppvi.privacy import Privacy
 from numpyro_dppvi.vips.detect import detect_conjugate
@@ -107,6 +107,22 @@ def release_noise_variance(rho: np.ndarray, scale: float, noise_std_rescaled: fl
     later = np.concatenate([np.cumprod((1.0 - rho)[::-1])[::-1][1:], [1.0]])  # prod_{s > t} (1 - rho_s)
     total = float(np.sum(np.square(rho * later)))
     return {name: (scale * float(bound) * noise_std_rescaled) ** 2 * total for name, bound in bounds.items()}
+
+
+def noise_aware_posterior(model, params, variance: dict, caller: str):
+    """``(params, draws)``: the model's noise-aware posterior (``model.noise_aware_params``) of ``params``, whose
+    statistics carry release noise of per-block ``variance`` (public), and, for a Monte Carlo mixture, its effective
+    number of importance draws (a :class:`~numpyro_dppvi.diagnostics.NoiseWarning` below 100: its tails are
+    uncertain), else None. Post-processing of the released parameters with public values: no privacy cost."""
+    params = model.noise_aware_params(params, variance)
+    if "mixture" not in params:
+        return params, None
+    draws = float(1.0 / np.sum(np.square(np.asarray(params["mixture"]["weights"], np.float64))))
+    if draws < 100:
+        warnings.warn(f"{caller}: the noise-aware posterior rests on {draws:.0f} effective importance draws "
+                      "(of a few thousand): its tails are uncertain. The release noise is large against the "
+                      "data: raise epsilon or use more rows.", NoiseWarning, stacklevel=user_stacklevel())
+    return params, draws
 
 
 def deferred_validity(model, blended, private: bool):
@@ -266,13 +282,8 @@ def fit_vips(model, data, *, privacy=None, batch_size: int | None = None, steps:
         variance = release_noise_variance(np.asarray(trace["rho"]), scale, release.noise_std_rescaled, release.bounds)
     draws = None
     if available and noise_aware is not False:
-        fitted, params = params, model.noise_aware_params(params, variance)
-        if "mixture" in params:  # Monte Carlo: the effective number of importance draws
-            draws = float(1.0 / np.sum(np.square(np.asarray(params["mixture"]["weights"], np.float64))))
-            if draws < 100:
-                warnings.warn(f"fit_vips: the noise-aware posterior rests on {draws:.0f} effective importance draws "
-                              "(of a few thousand): its tails are uncertain. The release noise is large against the "
-                              "data: raise epsilon or use more rows.", NoiseWarning, stacklevel=2)
+        fitted = params
+        params, draws = noise_aware_posterior(model, params, variance, "fit_vips")
 
     ledger = None
     if release is not None:
