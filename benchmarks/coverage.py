@@ -16,7 +16,8 @@ fit's key. Cells: ``method x epsilon x n``,
 at ``epsilon in {1, 8}`` (``delta = 1e-5``) and ``n in {2000, 10000}``; and Bayesian linear regression
 through ``fit_vips`` (5 covariates, noise sd 1, 2000 rows, batches of 200, features clipped to
 ``[-3, 3]`` and targets to ``[-10, 10]``, the model's public bounds); its intervals are read from the posterior's
-own marginal CDF (for the noise-aware mixture, the mixture's).
+own marginal CDF (for the noise-aware mixture, the mixture's); ``vips_federated``: the same data and model over 10
+clients through ``fit_dppvi(method="vips")`` (one round, each client releasing its whole clipped statistics once).
 
 And UCI Adult (10 clients, ``--cells adult``): test accuracy and the expected calibration error (10 bins) of
 the posterior predictive probabilities, non-private defaults against DP optimisation at epsilon 1 (batches
@@ -116,7 +117,7 @@ def vips_data(index: int, n: int):
     return x, y, w
 
 
-def fit_vips_linear(epsilon, x, y, index: int, noise_aware=None):
+def fit_vips_linear(epsilon, x, y, index: int, noise_aware=None, federated: bool = False):
     """The posterior mean, sd and, per coordinate of ``truth`` later, how far out in the posterior's own central
     intervals the truth lies: returns ``(loc, scale, central, applied)`` with ``central(truth)`` the
     normal-equivalent ``z = Phi^-1((1 + |2 F(truth) - 1|) / 2)`` of the marginal CDF ``F`` (``|loc - truth| / scale``
@@ -127,7 +128,12 @@ def fit_vips_linear(epsilon, x, y, index: int, noise_aware=None):
     model = BayesianLinearRegression(COVARIATES, 1.0, feature_bound=3.0 * np.sqrt(COVARIATES), target_bound=10.0)
     privacy = None if epsilon is None else dppvi.Privacy(epsilon=float(epsilon), delta=DELTA)
     aware = {} if noise_aware is None or privacy is None else {"noise_aware": noise_aware}
-    result = dppvi.fit_vips(model, (x, y), privacy=privacy, batch_size=200, rng_key=jax.random.key(index), **aware)
+    if federated:
+        clients = dppvi.partition((x, y), num_clients=CLIENTS, seed=index)
+        result = dppvi.fit_dppvi(model, clients, method="vips", privacy=privacy, rng_key=jax.random.key(index), **aware)
+    else:
+        result = dppvi.fit_vips(model, (x, y), privacy=privacy, batch_size=200, rng_key=jax.random.key(index),
+                                **aware)
     mean, cov = gaussian_moments(result.params["eta"], result.params["precision"])
     loc, scale = np.asarray(mean, np.float64), np.sqrt(np.diag(np.asarray(cov, np.float64)))
     mixture = result.params.get("mixture")
@@ -170,9 +176,10 @@ def run_cell(method: str, epsilon, n: int, count: int, clipping: str = "default"
         try:
             with warnings.catch_warnings(record=True) as caught:
                 warnings.simplefilter("always")
-                if method == "vips_linear":
+                if method in VIPS_CELLS:
                     x, y, truth = vips_data(index, n)
-                    loc, scale, central, applied = fit_vips_linear(epsilon, x, y, index, noise_aware)
+                    loc, scale, central, applied = fit_vips_linear(epsilon, x, y, index, noise_aware,
+                                                                   federated=method == "vips_federated")
                 else:
                     x, y, truth = logistic_data(index, n)
                     result = fit_logistic(method, epsilon, x, y, index, clipping, noise_aware)
@@ -185,7 +192,7 @@ def run_cell(method: str, epsilon, n: int, count: int, clipping: str = "default"
             refused.append(str(error))
             continue
         warned += any(issubclass(w.category, FIT_WARNINGS) for w in caught)
-        z.append(central(truth) if method == "vips_linear" else np.abs(loc - truth) / scale)
+        z.append(central(truth) if method in VIPS_CELLS else np.abs(loc - truth) / scale)
         errors.append(loc - truth)
         scales.append(scale)
     return dict(method=method, epsilon=epsilon, n=n, **({} if clipping == "default" else {"clipping": clipping}),
@@ -196,7 +203,7 @@ def run_cell(method: str, epsilon, n: int, count: int, clipping: str = "default"
 def cells(methods) -> list[tuple]:
     out = []
     for method in methods:
-        if method == "vips_linear":
+        if method in VIPS_CELLS:
             out += [(method, eps, 2000) for eps in (None, 1, 8)]
             continue
         for n in (2000, 10000):
@@ -240,7 +247,8 @@ def adult_calibration(keys: int = 3) -> list[dict]:
     return out
 
 
-METHODS = ("pvi", "dp_optimisation", "virtual_clients", "dp_global_vi", "vips_linear")
+METHODS = ("pvi", "dp_optimisation", "virtual_clients", "dp_global_vi", "vips_linear", "vips_federated")
+VIPS_CELLS = ("vips_linear", "vips_federated")
 
 
 def main(argv=None) -> dict:
