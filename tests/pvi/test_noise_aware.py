@@ -290,7 +290,7 @@ def test_a_fit_whose_noise_dominates_the_posterior_warns_with_the_fix():
                                rounds=4, local_steps=5, privacy=Privacy(noise_multiplier=noise_multiplier,
                                                                         accountant="rdp"), rng_key=jax.random.key(1))
 
-    with pytest.warns(NoiseWarning, match=r"dominates the posterior.*carries \d+% of the variance.*batch_size"):
+    with pytest.warns(NoiseWarning, match=r"dominates the posterior.*carries \d+% of the variance.*not fully for its pull.*batch_size"):
         noisy = fit(100, 30.0, 50)
     assert noisy.noise_aware
     with warnings.catch_warnings():
