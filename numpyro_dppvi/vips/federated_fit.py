@@ -43,7 +43,7 @@ from numpyro_dppvi.privacy.calibration import plan_charges
 from numpyro_dppvi.vips.detect import detect_conjugate
 from numpyro_dppvi.vips.engine import is_conjugate_model, joint_sensitivity, scale_bounds
 from numpyro_dppvi.vips.federated import conjugate_client_delta, conjugate_server_update
-from numpyro_dppvi.vips.fit import noise_aware_posterior
+from numpyro_dppvi.vips.fit import noise_aware_posterior, release_noise_variance
 from numpyro_dppvi.vips.release import noise_coordinates
 from numpyro_dppvi.vips.results import VIPSResult
 
@@ -129,8 +129,9 @@ def fit_federated_vips(model, clients, *, privacy=None, rounds: int = 1, schedul
                          f"leave noise_aware out")
     fitted, variance, draws = None, None, None
     if privacy is not None:
-        variance = released_sum_noise_variance(damping, int(rounds), num_clients, share * float(
-            joint_sensitivity(scale_bounds(conjugate.block_bounds, clip))), scale_bounds(conjugate.block_bounds, clip))
+        bounds = scale_bounds(conjugate.block_bounds, clip)
+        variance = released_sum_noise_variance(damping, int(rounds), num_clients,
+                                               share * float(joint_sensitivity(bounds)), bounds)
     if available and noise_aware is not False:
         coverage = 1.0 - (1.0 - damping) ** int(rounds)  # a: the weight of S in every factor
         released = jax.tree_util.tree_map(lambda t: t / coverage, _sum(factors))
@@ -151,9 +152,9 @@ def released_sum_noise_variance(damping: float, rounds: int, num_clients: int, c
     """Per block, the variance of the release noise in ``E = sum_m t_m / a`` (module docstring): ``(C_b s)^2 M
     sum_r w_r^2 / a^2`` with ``s = client_noise_std`` (rescaled units), ``w_r = rho (1 - rho)^(R - r)`` and ``a =
     sum_r w_r``. Public: the damping, the rounds, the number of clients, the noise std and the bounds."""
-    weights = damping * (1.0 - damping) ** np.arange(rounds, dtype=np.float64)
-    factor = num_clients * float(np.sum(np.square(weights))) / float(np.sum(weights)) ** 2
-    return {name: (float(bound) * client_noise_std) ** 2 * factor for name, bound in bounds.items()}
+    one_client = release_noise_variance(np.full(rounds, damping), 1.0, client_noise_std, bounds)  # sum_r w_r^2
+    coverage = 1.0 - (1.0 - damping) ** rounds  # a
+    return {name: num_clients * v / coverage ** 2 for name, v in one_client.items()}
 
 
 def _zero_factor(conjugate, data, nbar):
