@@ -49,8 +49,8 @@ root_doc = "index"
 exclude_patterns = ["_build", "Thumbs.db", ".DS_Store", "conf.py"]
 
 # Tutorials: plain-text notebooks (jupytext's percent format, docs/tutorials/*.py), executed on every build
-# (myst-nb; an error in a cell fails the build) and rendered with their outputs and figures. The test suite
-# runs the same files as scripts (tests/test_tutorials.py).
+# (myst-nb; an error in a cell fails the build) and rendered with their outputs and figures. This build is where
+# they are run (.ci/run calls it after the suite; tests/test_tutorials.py checks these settings).
 nb_custom_formats = {".py": ["jupytext.reads", {"fmt": "py:percent"}]}
 nb_execution_mode = "force"
 nb_execution_timeout = 900

@@ -15,8 +15,8 @@
 # across the five without privacy and then at epsilon 1, reads the privacy ledger, and checks, on data sets
 # simulated from known weights, that the private posterior's credible intervals cover what they claim.
 #
-# The source is a plain Python file in jupytext's percent format (`docs/tutorials/`): the test suite runs it
-# as a script, and the documentation site executes it as a notebook.
+# The source is a plain Python file in jupytext's percent format (`docs/tutorials/`): it runs as a script
+# (`python docs/tutorials/first_private_posterior.py`), and the documentation build executes it as a notebook.
 
 # %%
 import warnings
