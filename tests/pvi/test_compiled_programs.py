@@ -55,6 +55,25 @@ def test_a_second_fit_of_the_same_structure_compiles_nothing(options, tmp_path):
     assert COMPILE_EVENTS
 
 
+def test_hashed_shards_of_another_key_compile_nothing():
+    """Issue 25: a record's shard comes from a keyed hash, so shard sizes change with the fit's key; the layout pads
+    them to a bound from the public sizes and shard counts (:func:`~numpyro_dppvi.pvi.shards.padded_shard_rows`),
+    so a fit with another key compiles nothing. (Padded to the largest shard, as before, four shard secrets give
+    largest shards of 23, 21, 23 and 20 rows here: three layouts, three programs.)"""
+    from numpyro_dppvi.pvi.shards import make_shards
+
+    kwargs = dict(method="local_averaging", shards=3, schedule="synchronous", rounds=2, local_steps=3, num_samples=2,
+                  privacy=Privacy(noise_multiplier=1.0, clip=1.0))
+    data = clients(0)
+    largest = {int(make_shards(data, 3, bytes([k] * 32)).mask.sum(-1).max()) for k in range(4)}
+    dppvi.fit_dppvi(logistic, data, rng_key=jax.random.key(0), **kwargs)
+    COMPILE_EVENTS.clear()
+    for k in (1, 2, 3):
+        dppvi.fit_dppvi(logistic, data, rng_key=jax.random.key(k), **kwargs)
+    assert COMPILE_EVENTS == []
+    assert len(largest) > 1  # the keys do give shards of different sizes: the check can fail
+
+
 _NEW_PROCESS = r"""
 import json, logging, re, sys
 import jax
