@@ -39,7 +39,7 @@ realisation, with the shards re-derived as the fit derives them.
 
 For ``vmap`` over clients and shards the rows are laid out as ``[M, K_max, S_max, ...]`` with a
 mask, ``K_max = max_m N_m`` and ``S_max`` at least the largest shard: hashed shards pad to
-:func:`padded_shard_rows`, a bound from the public sizes and counts alone, so that the layout's shape, and
+:func:`padded_shard_rows`, a bound from the sizes and shard counts alone (not from where the rows hashed), so that the layout's shape, and
 with it the compiled round, does not change with the fit's key (issue 25: every new key compiled anew).
 """
 
@@ -92,7 +92,8 @@ SHARD_OVERFLOW = 1e-2
 
 
 def padded_shard_rows(sizes, counts, tail: float = SHARD_OVERFLOW) -> int:
-    """Rows per shard to pad hashed shards to, from public values only: the least ``s`` with
+    """Rows per shard to pad hashed shards to, from the clients' sizes and shard counts only (not from where the rows
+    hashed; a padded shape is not released): the least ``s`` with
     ``P(n_{m,k} > s) <= tail / sum_m N_m`` for every client, ``n_{m,k} ~ Binomial(n_m, 1 / N_m)`` (to anyone without
     the key a distinct record's shard is uniform), so that by the union bound no shard of a fit is larger with
     probability at least ``1 - tail``. Repeated records share a shard (their bytes hash alike), which makes large
