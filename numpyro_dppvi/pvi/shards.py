@@ -39,8 +39,9 @@ realisation, with the shards re-derived as the fit derives them.
 
 For ``vmap`` over clients and shards the rows are laid out as ``[M, K_max, S_max, ...]`` with a
 mask, ``K_max = max_m N_m`` and ``S_max`` at least the largest shard: hashed shards pad to
-:func:`padded_shard_rows`, a bound from the sizes and shard counts alone (not from where the rows hashed), so that the layout's shape, and
-with it the compiled round, does not change with the fit's key (issue 25: every new key compiled anew).
+:func:`padded_shard_rows`, a bound from the sizes and shard counts alone (not from where the rows
+hashed), so that the layout's shape, and with it the compiled round, does not change with the fit's
+key (issue 25: every new key compiled anew).
 """
 
 from __future__ import annotations
