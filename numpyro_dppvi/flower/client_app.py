@@ -203,9 +203,10 @@ def take_step(node: NodeSettings, state: ClientState, instruction: Instruction, 
     aware = i.settings.noise_aware and finite
     curvature = np.asarray(rule_state["factor_curvature"]) if aware else None
     bias = np.asarray(rule_state["curvature_bias"]) if aware else None
+    gain = np.asarray(rule_state["gain_noise"]) if aware else None
     return Reply(node.client_id, "ok", delta, participations=fit["participations"],
                  ledger=None if state.ledger is None else state.ledger.to_dict(), diagnostics=diagnostics,
-                 curvature=curvature, curvature_bias=bias)
+                 curvature=curvature, curvature_bias=bias, gain_noise=gain)
 
 
 def refusal_without_data(node: NodeSettings, fit: dict | None, i: Instruction,

@@ -59,6 +59,7 @@ class ClientRecord:
     stopped: str = ""  # why it takes no further part in this fit ("" while active)
     curvature: np.ndarray | None = None  # noise-aware DP optimisation: its factor's curvature, as it last reported
     curvature_bias: np.ndarray | None = None  # and the part of it the estimate's own noise adds
+    gain_noise: np.ndarray | None = None  # and the variance that noise adds to its pull on the mean
 
 
 @dataclass
@@ -177,11 +178,13 @@ class Coordinator:
         if reply.curvature is not None:
             dim = np.shape(self.q.eta1)[0]
             bias = np.zeros_like(reply.curvature) if reply.curvature_bias is None else reply.curvature_bias
-            if any(np.shape(a) != (dim, dim) or not np.all(np.isfinite(a)) for a in (reply.curvature, bias)):
-                log.dropped[client.index] = "a curvature (or its bias) that is not a finite [D, D] matrix"
+            gain = np.zeros_like(reply.curvature) if reply.gain_noise is None else reply.gain_noise
+            if any(np.shape(a) != (dim, dim) or not np.all(np.isfinite(a)) for a in (reply.curvature, bias, gain)):
+                log.dropped[client.index] = "a curvature (or its bias or gain noise) that is not a finite [D, D] matrix"
                 return None
             client.curvature = np.asarray(reply.curvature, np.float32)
             client.curvature_bias = np.asarray(bias, np.float32)
+            client.gain_noise = np.asarray(gain, np.float32)
         return as_numpy(reply.delta)
 
     def apply(self, changes: list[tuple[ClientRecord, Gaussian]]) -> None:
@@ -272,8 +275,9 @@ class Coordinator:
             zero = np.zeros((dim, dim), np.float32)
             curvature = np.stack([c.curvature if c.curvature is not None else zero for c in self.clients])
             bias = np.stack([c.curvature_bias if c.curvature_bias is not None else zero for c in self.clients])
+            gain = np.stack([c.gain_noise if c.gain_noise is not None else zero for c in self.clients])
             q, fitted = as_numpy(noise_aware.posterior(self.q, {"factor_curvature": curvature,
-                                                                "curvature_bias": bias})), self.q
+                                                                "curvature_bias": bias, "gain_noise": gain})), self.q
         return DPPVIResult(self.adapter, q, list(self.history), method=self.method, schedule=self.schedule,
                            privacy=self.privacy(), config=self.config(), rounds=self.round, q_fitted=fitted)
 
@@ -285,6 +289,7 @@ class Coordinator:
         if reported:
             tree["curvatures"] = {str(j): self.clients[j].curvature for j in reported}
             tree["curvature_biases"] = {str(j): self.clients[j].curvature_bias for j in reported}
+            tree["gain_noises"] = {str(j): self.clients[j].gain_noise for j in reported}
         meta = {"kind": "FlowerServerCheckpoint", "format": CHECKPOINT_FORMAT, "fit_id": self.fit_id,
                 "model": self.model_ref, "method": self.method, "schedule": self.schedule,
                 "settings": self.settings.to_json(), "signature": [list(map(list, self.signature[0])),
@@ -308,8 +313,9 @@ class Coordinator:
             factor = saved_gaussian(arrays, f"['factors'][{j}]")
             curvature = arrays.get(f"['curvatures']['{j}']")
             bias = arrays.get(f"['curvature_biases']['{j}']")
+            gain = arrays.get(f"['gain_noises']['{j}']")
             coord.clients.append(ClientRecord(info["client_id"], j, None, info["num_rows"], factor, info["ledger"],
-                                              info["participations"], info["stopped"], curvature, bias))
+                                              info["participations"], info["stopped"], curvature, bias, gain))
         coord.round, coord.communications, coord.history = meta["round"], meta["communications"], meta["history"]
         return coord
 

@@ -21,9 +21,10 @@ Client -> server, reply to ``train`` (:class:`Reply`):
   ``delta = rho (eta(q_new) - eta(q))`` (zeros when it refused or its update was not finite); low-rank: in the
   wider basis ``[B, E]`` of the client's answer, which the server widens ``B`` by before adding;
 * ``"curvature"`` (noise-aware DP optimisation only): ArrayRecord ``curvature``, the full ``[D, D]`` curvature of
-  the client's factor as its releases estimate it, and ``bias``, the part of it that the estimate's own noise
-  adds (:func:`numpyro_dppvi.pvi.noise_aware.curvature_noise_bias`; both post-processing of its releases),
-  from which the server gives ``q`` its noise-aware (co)variances;
+  the client's factor as its releases estimate it, ``bias``, the part of it that the estimate's own noise
+  adds (:func:`numpyro_dppvi.pvi.noise_aware.curvature_noise_bias`), and ``gain_noise``, the variance that
+  noise adds to the client's pull on the mean (:func:`numpyro_dppvi.pvi.noise_aware.gain_noise_covariance`;
+  all three post-processing of its releases), from which the server gives ``q`` its noise-aware (co)variances;
 * ``"diagnostics"``: MetricRecord of data-free values only (``update_finite``, ``factor_in_sync`` (not for
   low rank, whose factors the server truncates),
   and for DP optimisation the data-free part of the last local loss);
@@ -52,8 +53,8 @@ from .settings import LocalSettings
 
 #: 2: LocalSettings.tail_average; 3: LocalSettings.family ([D, D] eta2); 4: family "low_rank" (eta2 as diag, core,
 #: basis) and LocalSettings.rank; 5: LocalSettings.noise_aware and the reply's ``curvature``; 6: the reply's
-#: curvature ``bias``
-SCHEMA_VERSION = "numpyro_dppvi.flower/6"
+#: curvature ``bias``; 7: the reply's ``gain_noise``
+SCHEMA_VERSION = "numpyro_dppvi.flower/7"
 #: Message types: one local update; the introduction that maps a Flower node to a client.
 TRAIN = "train"
 HELLO = "query.hello"
@@ -114,6 +115,8 @@ class Reply:
             its releases estimate it (post-processing), else None.
         curvature_bias: the part of ``curvature`` the estimate's own noise adds, else None (encoded as
             zeros when ``curvature`` is given without it).
+        gain_noise: the covariance the curvature's noise adds to the client's pull on the mean
+            (:func:`numpyro_dppvi.pvi.noise_aware.gain_noise_covariance`), else None (zeros likewise).
     """
 
     client_id: str
@@ -126,6 +129,7 @@ class Reply:
     diagnostics: dict = field(default_factory=dict)
     curvature: np.ndarray | None = None
     curvature_bias: np.ndarray | None = None
+    gain_noise: np.ndarray | None = None
 
 
 @dataclass(frozen=True)
@@ -248,8 +252,10 @@ def encode_reply(reply: Reply) -> RecordDict:
     }
     if r.curvature is not None:
         bias = np.zeros_like(r.curvature) if r.curvature_bias is None else r.curvature_bias
+        gain = np.zeros_like(r.curvature) if r.gain_noise is None else r.gain_noise
         records["curvature"] = ArrayRecord({"curvature": Array(np.asarray(r.curvature, np.float32)),
-                                            "bias": Array(np.asarray(bias, np.float32))})
+                                            "bias": Array(np.asarray(bias, np.float32)),
+                                            "gain_noise": Array(np.asarray(gain, np.float32))})
     return RecordDict(records)
 
 
@@ -260,15 +266,16 @@ def decode_reply(records: RecordDict) -> Reply:
     if c["status"] not in STATUSES:
         raise SchemaError(f"status {c['status']!r} is not one of {STATUSES}")
     diagnostics = dict(_record(records, "diagnostics", MetricRecord))
-    curvature = bias = None
+    curvature = bias = gain = None
     if "curvature" in records:
         record = _record(records, "curvature", ArrayRecord)
-        for name in ("curvature", "bias"):
+        for name in ("curvature", "bias", "gain_noise"):
             if name not in record:
                 raise SchemaError(f"array record 'curvature' lacks its array {name!r}")
-        curvature, bias = record["curvature"].numpy(), record["bias"].numpy()
+        curvature, bias, gain = (record[name].numpy() for name in ("curvature", "bias", "gain_noise"))
     return Reply(str(c["client_id"]), str(c["status"]), _gaussian(records, "delta"), str(c["reason"]),
-                 str(c["detail"]), int(c["participations"]), _ledger(c["ledger"]), diagnostics, curvature, bias)
+                 str(c["detail"]), int(c["participations"]), _ledger(c["ledger"]), diagnostics, curvature, bias,
+                 gain)
 
 
 def encode_hello(hello: Hello) -> RecordDict:

@@ -323,13 +323,19 @@ class DPOptimisation(NonPrivate):
         """Antithetic pairs of draws per step: ``num_samples // 2`` (at least one)."""
         return max(self.num_samples // 2, 1)
 
+    #: Client-state entries added after the checkpoint and client-store formats were fixed: a state saved before
+    #: them lacks them, and a resumed fit starts them at zero (:func:`numpyro_dppvi.checkpoint.with_added_leaves`).
+    #: ``gain_noise`` then enters each client's damped estimate from its next update on, so the noise-aware
+    #: posterior of a fit resumed from such a save under-states the gain's noise for a few updates.
+    ADDED_STATE = ("gain_noise",)
+
     def init_client_state(self, arrays, mask, key) -> Any:
         """The covariance ``N_m`` of the noise in the client's factor (:mod:`.noise_aware`): ``[D]``, ``[D, D]``
         full-rank (low-rank answers are not estimated from the trace and carry none)."""
         square = jnp.zeros((self.dim, self.dim), jnp.float32)
         scalar = jnp.zeros((), jnp.float32)
         return {"factor_noise": square, "scatter_sum": square, "curvature_sum": square, "factor_curvature": square,
-                "curvature_spread_sum": square, "curvature_bias": square,
+                "curvature_spread_sum": square, "curvature_bias": square, "gain_noise": square,
                 "information_sum": jnp.zeros(self.dim, jnp.float32), "factor_count": scalar, "dof": scalar,
                 "updates": jnp.zeros((), jnp.int32)}
 
@@ -487,8 +493,9 @@ class DPOptimisation(NonPrivate):
         factor's noise follows the damped updates (:func:`~.noise_aware.damped_noise`). The state also carries the
         bias that the curvature's own noise gives the factor's precision (:func:`~.noise_aware.curvature_noise_bias`,
         from the scatter of the per-step curvatures weighted by ``(B + V)^{-1}`` of their update, pooled like
-        ``c_t``'s; damped like the curvature), which the reported posterior takes off (the answer does not use
-        it)."""
+        ``c_t``'s; damped like the curvature), which the reported posterior takes off, and the variance that noise
+        adds to the answer's pull on the mean (:func:`~.noise_aware.gain_noise_covariance`, from this update's
+        steps; damped like the factor's noise), which the reported posterior adds (the answer uses neither)."""
         information, curvatures = estimates
         steps = self.local_steps
         first = client_state["updates"] == 0
@@ -514,6 +521,8 @@ class DPOptimisation(NonPrivate):
                                 + 1e-12 * jnp.eye(self.dim, dtype=curvature.dtype))
         spread_sum = carried("curvature_spread_sum", noise_aware.curvature_spread(curvatures, keep, weight))
         bias = noise_aware.curvature_noise_bias(curvature, fresh, spread_sum / jnp.maximum(dof, 1.0) / count)
+        gain_noise = noise_aware.gain_noise_covariance(curvature, fresh, information - curvature @ reference,
+                                                       curvatures, keep, count)
         if self.noise_aware:
             information, curvature = noise_aware.noisy_observation_factor(information, curvature, fresh)
         answer, bound = answer_of(information, curvature)
@@ -521,13 +530,15 @@ class DPOptimisation(NonPrivate):
             fresh = noise_aware.damped_noise(client_state["factor_noise"], fresh, self.damping)
             curvature = (1.0 - self.damping) * client_state["factor_curvature"] + self.damping * curvature
             bias = (1.0 - self.damping) * client_state["curvature_bias"] + self.damping * bias
+            gain_noise = noise_aware.damped_noise(client_state["gain_noise"], gain_noise, self.damping)
         keep_finite = lambda new, old: jnp.where(jnp.all(jnp.isfinite(new)), new, old)
         client_state = dict(client_state, updates=client_state["updates"] + 1, factor_count=count,
                             information_sum=information_sum, curvature_sum=curvature_sum, scatter_sum=scatter_sum,
                             dof=dof, curvature_spread_sum=spread_sum,
                             factor_noise=keep_finite(fresh, client_state["factor_noise"]),
                             factor_curvature=keep_finite(curvature, client_state["factor_curvature"]),
-                            curvature_bias=keep_finite(bias, client_state["curvature_bias"]))
+                            curvature_bias=keep_finite(bias, client_state["curvature_bias"]),
+                            gain_noise=keep_finite(gain_noise, client_state["gain_noise"]))
         return answer, bound, client_state
 
     def noise_std_of(self, client_state):

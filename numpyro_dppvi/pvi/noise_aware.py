@@ -43,7 +43,10 @@ curvature that is as large as the precision itself (measured: a factor of 2 on 2
 and the private mean's error 2-3 times the variance the posterior gave it). The fit's fixed point does not
 depend on that precision (its mean solves ``Lambda_prior mu = sum_m B~_m T~_m^{-1} c_m(mu)``), so the clients
 answer as before and the reported posterior takes the bias, estimated from the scatter of the per-step
-curvatures (:func:`curvature_spread`), off ``P`` (:func:`noise_aware_posterior`).
+curvatures (:func:`curvature_spread`), off ``P`` (:func:`noise_aware_posterior`). The same noise makes the gain
+``B~ (B~ + V)^{-1}`` that multiplies the factor's slope noisy, and so moves the mean by a variance the slope's
+noise ``V`` does not hold (:func:`gain_noise_covariance`, from the same scatter): the reported posterior adds it
+to its covariance, ``P^{-1} (sum_m C_m) P^{-1}``, and keeps the fitted mean.
 
 **Safeguards** (documented, counted rules): a factor's curvature is made positive semi-definite before the
 Newton step (:func:`semidefinite`); every move, of the steps' iterate and of the answer, stays in a trust region
@@ -190,6 +193,41 @@ def curvature_noise_bias(curvature: jax.Array, noise: jax.Array, spread: jax.Arr
     return 0.5 * (bias + bias.T)
 
 
+def gain_noise_covariance(curvature: jax.Array, noise: jax.Array, slope: jax.Array, curvatures: jax.Array,
+                          keep: jax.Array, count) -> jax.Array:
+    """The covariance that the noise of the curvature estimate ``B~ = B + d`` adds to the client's pull on the
+    mean. The answer's mean solves ``Lambda_cavity mu - eta1_cavity = g(B~) a`` (:func:`noisy_observation_factor`
+    at the fixed point), ``a = h~ - B~ mu`` the factor's slope there and ``g(B~) = I - V (B~ + V)^{-1}`` the gain;
+    to first order in ``d``, ``g(B~) a - g(B) a = V T^{-1} d T^{-1} a`` (``T = B + V``), so with ``w = T^{-1} a``
+
+        C = V T^{-1} E[d w w^T d] T^{-1} V,                                                                   (4)
+
+    a variance the noise ``V`` of ``a`` (in the factor's precision) does not hold. ``E[d w w^T d]`` for the mean of
+    ``count`` steps is :func:`curvature_spread` of this update's per-step ``curvatures`` (``[K, D, D]``, the steps
+    with ``keep``) with the weight ``w w^T`` over its degrees of freedom, divided by ``count``; ``w w^T`` is taken
+    less ``w``'s own noise ``T^{-1} V T^{-1}`` (``a`` is noisy, and ``E[w w^T]`` exceeds the outer product of its mean
+    by that; projecting the weight to semi-definite first over-stated (4) by 45% in the test), and (4) is then made
+    positive semi-definite. ``curvature``: ``B~``, ``noise``: ``V``, ``slope``: ``a`` (``[D]``). Measured on the
+    coverage study's logistic regression at epsilon 1 (2,000 rows, 10 clients, 50 data sets), where ``V`` is 3-9
+    times the diagonal of ``B~`` and ``B~`` itself noisy: without (4) the 90% / 50% intervals covered .837 / .487
+    and the mean sd was .85 of the RMSE; with it .86 / .507 and 1.01 (on 100 data sets .817 / .455 and .837 /
+    .498). Post-processing of the releases (module docstring): ``B~``, ``V``, ``a`` and the per-step curvatures
+    are all computed from the releases, their draws and public settings."""
+    dim = curvature.shape[-1]
+    values, vectors = jnp.linalg.eigh(0.5 * (curvature + curvature.T))
+    noise = 0.5 * (noise + noise.T)
+    total = (vectors * jnp.maximum(values, 0.0)) @ vectors.T + noise + 1e-12 * jnp.eye(dim, dtype=curvature.dtype)
+    inverse = jnp.linalg.inv(total)
+    w = inverse @ slope
+    outer = jnp.outer(w, w) - inverse @ noise @ inverse
+    steps = jnp.sum(keep.astype(curvatures.dtype))
+    spread = curvature_spread(curvatures, keep, outer) / jnp.maximum(steps - 1.0, 1.0) / count
+    left = inverse @ noise  # T^{-1} V
+    covariance = left.T @ (0.5 * (spread + spread.T)) @ left
+    values, vectors = jnp.linalg.eigh(0.5 * (covariance + covariance.T))
+    return (vectors * jnp.maximum(values, 0.0)) @ vectors.T
+
+
 def probe_step(probe: Gaussian, target: Gaussian, step, radius: float = 1.0) -> tuple[Gaussian, jax.Array]:
     """A move from ``probe`` towards the Newton ``target`` (:func:`newton_answer`): the precision ``(1 - step)
     Lambda + step Lambda*`` (natural parameters), the mean moved ``step`` of the way to the target's inside a trust
@@ -273,9 +311,22 @@ def marginal_variances(precision: jax.Array) -> tuple[jax.Array, jax.Array]:
     return jnp.diagonal(jax.scipy.linalg.cho_solve((jnp.where(definite, chol, identity), True), identity)), definite
 
 
+def gain_noise_of(client_state) -> jax.Array:
+    """The clients' summed :func:`gain_noise_covariance` (``0`` for a state without it)."""
+    return jnp.sum(client_state["gain_noise"], axis=0) if "gain_noise" in client_state else 0.0
+
+
 def curvature_bias_of(client_state) -> jax.Array:
     """The clients' summed :func:`curvature_noise_bias` (``0`` for a state without it)."""
     return jnp.sum(client_state["curvature_bias"], axis=0) if "curvature_bias" in client_state else 0.0
+
+
+def with_gain_noise(covariance: jax.Array, client_state) -> jax.Array:
+    """``covariance + covariance C covariance``, ``C`` the clients' summed :func:`gain_noise_covariance`: the mean
+    ``P^{-1} sum_m h'_m`` moves by ``P^{-1}`` times the noise the gains add to the clients' pulls."""
+    if "gain_noise" not in client_state:
+        return covariance
+    return covariance + covariance @ gain_noise_of(client_state) @ covariance
 
 
 def noise_aware_posterior(q: Gaussian, client_state) -> Gaussian:
@@ -293,16 +344,25 @@ def noise_aware_posterior(q: Gaussian, client_state) -> Gaussian:
 
     With the clients' ``curvature_bias`` (:func:`curvature_noise_bias`, stacked ``[M, D, D]``) in the state, ``P``
     is taken less their sum, for either family (a full-rank ``q`` then keeps its mean and takes that precision;
-    as fitted where it is not positive definite)."""
-    if factors.is_full_rank(q) and "curvature_bias" not in client_state:
+    as fitted where it is not positive definite). With their ``gain_noise`` (:func:`gain_noise_covariance`) the
+    covariance ``P^{-1}`` gains ``P^{-1} C P^{-1}``, ``C`` their sum (:func:`with_gain_noise`): the precision
+    ``P (P + C)^{-1} P`` for full-rank ``q``, the marginal variances of it for mean-field ``q``."""
+    if factors.is_full_rank(q) and "curvature_bias" not in client_state and "gain_noise" not in client_state:
         return q
     precision = full_precision(q, jnp.sum(client_state["factor_curvature"], axis=0)) - curvature_bias_of(client_state)
     if factors.is_full_rank(q):
         mean = factors.mean_and_precision(q)[0]
         chol_ok = jnp.all(jnp.isfinite(jnp.linalg.cholesky(0.5 * (precision + precision.T))))
+        if "gain_noise" in client_state:  # (P^-1 + P^-1 C P^-1)^-1 = P (P + C)^-1 P: one solve
+            widened = precision @ jnp.linalg.solve(precision + gain_noise_of(client_state), precision)
+            precision = 0.5 * (widened + widened.T)
+            chol_ok = chol_ok & jnp.all(jnp.isfinite(jnp.linalg.cholesky(precision)))
         corrected = Gaussian(precision @ mean, -0.5 * precision)
         return jax.tree.map(lambda a, b: jnp.where(chol_ok, a, b), corrected, q)
     variance, definite = marginal_variances(precision)
+    if "gain_noise" in client_state:
+        covariance = jnp.linalg.inv(0.5 * (precision + precision.T))
+        variance = jnp.diagonal(with_gain_noise(covariance, client_state))
     loc, scale = factors.to_loc_scale(q)
     return factors.from_loc_scale(loc, jnp.where(definite, jnp.sqrt(variance), scale))
 
@@ -312,7 +372,8 @@ def posterior(q: Gaussian, client_state) -> Gaussian:
     from ..program_cache import cached
 
     program = cached(("noise-aware-posterior",), lambda: jax.jit(noise_aware_posterior))
-    return program(q, {k: client_state[k] for k in ("factor_curvature", "curvature_bias") if k in client_state})
+    keys = ("factor_curvature", "curvature_bias", "gain_noise")
+    return program(q, {k: client_state[k] for k in keys if k in client_state})
 
 
 def widening(q: Gaussian, client_state) -> jax.Array:
@@ -330,6 +391,8 @@ def widening(q: Gaussian, client_state) -> jax.Array:
     precision = full_precision(q, jnp.sum(shrunk, axis=0)) - curvature_bias_of(client_state)
     data = full_precision(q, jnp.sum(shrunk, axis=0)) - jnp.sum(shrunk, axis=0) + jnp.sum(exact, axis=0)
     (noisy, ok_noisy), (clean, ok_clean) = marginal_variances(precision), marginal_variances(data)
+    if "gain_noise" in client_state:
+        noisy = jnp.diagonal(with_gain_noise(jnp.linalg.inv(0.5 * (precision + precision.T)), client_state))
     ratio = jnp.sqrt(noisy / clean)
     return jnp.where(ok_noisy & ok_clean & jnp.all(jnp.isfinite(ratio)), ratio, jnp.ones_like(ratio))
 
@@ -339,5 +402,5 @@ def noise_widening(q: Gaussian, client_state) -> jax.Array:
     from ..program_cache import cached
 
     program = cached(("noise-aware-widening",), lambda: jax.jit(widening))
-    keys = ("factor_curvature", "curvature_sum", "factor_count", "curvature_bias")
+    keys = ("factor_curvature", "curvature_sum", "factor_count", "curvature_bias", "gain_noise")
     return program(q, {k: client_state[k] for k in keys if k in client_state})

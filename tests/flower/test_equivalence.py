@@ -27,6 +27,15 @@ from .conftest import node_config, run_config
 #: differed by 1.0e-5 absolute for that reason alone with private Newton steps (measured when the tolerance was
 #: absolute), which this bound admits.
 TOLERANCE = 1e-5
+#: The same for the noise-aware posterior of DP optimisation, whose sds hold each client's gain noise
+#: (:func:`numpyro_dppvi.pvi.noise_aware.gain_noise_covariance`): a sixth-degree function of the releases' estimates
+#: (the noise ``V`` twice, the centred per-step curvatures twice, the slope twice), and the centring alone scales
+#: the curvatures' rounding by ``|B_t| / spread``, 2-3 here. Recomputed in float64 from the inputs the full-rank test's
+#: two sides recorded (agreeing to 5e-8 - 3e-6 relative, float32 rounding), the clients' terms agreed to 0.3e-5 -
+#: 2.7e-5 relative, and the widened precision ``P (P + C)^{-1} P`` passes that on (2.4e-5 in ``eta2`` measured).
+#: A real mismatch moves it by far more: on the same inputs, the term left out changes ``eta2`` by 0.84, one
+#: client's left out by 0.66, all of them halved by 0.20 (this measure).
+NOISE_AWARE_TOLERANCE = 1e-4
 
 
 def relative_difference(mine, theirs) -> float:
@@ -63,10 +72,12 @@ def test_inprocess_grid_reproduces_fit_dppvi(method, schedule, clients, tmp_path
     # DP optimisation with private Newton steps is noise-aware on both sides (run config noise-aware "auto"): q as
     # fitted, and the posterior the nodes' reported curvatures make of it
     assert deployed.noise_aware == simulated.noise_aware == (method == "dp_optimisation")
-    for mine, theirs in ((simulated.q_fitted, deployed.q_fitted), (simulated.q, deployed.q)):
+    aware = NOISE_AWARE_TOLERANCE if simulated.noise_aware else TOLERANCE
+    for (mine, theirs), tolerance in (((simulated.q_fitted, deployed.q_fitted), TOLERANCE),
+                                      ((simulated.q, deployed.q), aware)):
         for name in ("eta1", "eta2"):
             difference = relative_difference(getattr(mine, name), getattr(theirs, name))
-            assert difference <= TOLERANCE, (name, difference)
+            assert difference <= tolerance, (name, difference)
     assert [h["participated"] for h in deployed.history] == [h["participated"] for h in simulated.history]
     assert [h["communications"] for h in deployed.history] == [h["communications"] for h in simulated.history]
     if privacy is None:
@@ -101,10 +112,12 @@ def test_inprocess_grid_reproduces_a_full_rank_fit(method, clients, tmp_path, mo
                 "optimizer": "private_newton" if private else "newton"}
     deployed = run_inprocess(run_config(method, "synchronous", **settings), nodes)
     assert deployed.family == "full_rank" and np.shape(deployed.q.eta2) == np.shape(simulated.q.eta2)
-    for mine, theirs in ((simulated.q_fitted, deployed.q_fitted), (simulated.q, deployed.q)):
+    aware = NOISE_AWARE_TOLERANCE if simulated.noise_aware else TOLERANCE
+    for (mine, theirs), tolerance in (((simulated.q_fitted, deployed.q_fitted), TOLERANCE),
+                                      ((simulated.q, deployed.q), aware)):
         for name in ("eta1", "eta2"):
             difference = relative_difference(getattr(mine, name), getattr(theirs, name))
-            assert difference <= TOLERANCE, (name, difference)
+            assert difference <= tolerance, (name, difference)
     if private:
         assert deployed.privacy == simulated.privacy
         np.testing.assert_allclose(deployed.privacy.epsilon_per_client, simulated.privacy.epsilon_per_client)
