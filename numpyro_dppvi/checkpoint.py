@@ -57,6 +57,18 @@ def flatten(tree) -> dict[str, np.ndarray]:
     return {jax.tree_util.keystr(path): np.asarray(leaf) for path, leaf in leaves}
 
 
+def with_added_leaves(template, arrays: dict[str, np.ndarray], added) -> tuple[dict[str, np.ndarray], list[str]]:
+    """``arrays`` (:func:`flatten` output of a save) with every leaf of ``template`` that the save lacks and whose
+    last key is one of ``added`` (state a later version of the package added) set to zeros of the template's shape
+    and dtype, and the paths so filled. Any other difference is left for :func:`unflatten_like` to refuse."""
+    filled = {}
+    for path, leaf in jax.tree_util.tree_flatten_with_path(template)[0]:
+        name = jax.tree_util.keystr(path)
+        if name not in arrays and path and getattr(path[-1], "key", None) in added:
+            filled[name] = np.zeros(np.shape(leaf), np.asarray(leaf).dtype)
+    return {**arrays, **filled}, sorted(filled)
+
+
 def unflatten_like(template, arrays: dict[str, np.ndarray]):
     """Rebuild a pytree shaped like ``template`` from :func:`flatten` output, checking every path, shape and dtype."""
     leaves, treedef = jax.tree_util.tree_flatten_with_path(template)

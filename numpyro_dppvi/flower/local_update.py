@@ -181,12 +181,19 @@ def initial_rule_state(rule, plan: PrivacyPlan | None, arrays, mask, key):
 
 
 def rule_state_from(template, leaves: list):
-    """The rule state saved as ``leaves`` (tree order), checked leaf by leaf against ``template``."""
-    expected = jax.tree_util.tree_leaves(template)
-    if len(leaves) != len(expected):
-        raise ValueError(f"the saved client state has {len(leaves)} arrays, the fit's rule expects {len(expected)}")
-    named = {jax.tree_util.keystr(path): leaf for (path, _), leaf in
-             zip(jax.tree_util.tree_flatten_with_path(template)[0], leaves)}
+    """The rule state saved as ``leaves`` (tree order), checked leaf by leaf against ``template``. A state saved
+    before the entries of ``DPOptimisation.ADDED_STATE`` existed lacks them (the other leaves keep their order):
+    they start at zero, and the node logs it."""
+    paths = [path for path, _ in jax.tree_util.tree_flatten_with_path(template)[0]]
+    older = [path for path in paths if getattr(path[-1], "key", None) not in DPOptimisation.ADDED_STATE]
+    if len(leaves) not in (len(paths), len(older)):
+        raise ValueError(f"the saved client state has {len(leaves)} arrays, the fit's rule expects {len(paths)}")
+    saved = paths if len(leaves) == len(paths) else older
+    named = {jax.tree_util.keystr(path): leaf for path, leaf in zip(saved, leaves)}
+    named, filled = checkpoint.with_added_leaves(template, named, DPOptimisation.ADDED_STATE)
+    if filled:
+        logging.getLogger("numpyro_dppvi.flower.client").warning(
+            "this client's state was saved by an older version without %s: they start at zero", ", ".join(filled))
     return checkpoint.unflatten_like(template, named)
 
 

@@ -10,6 +10,7 @@ result as an uninterrupted fit, no budget re-spent or forgotten.
 from __future__ import annotations
 
 import json
+import warnings
 
 import numpy as np
 
@@ -18,6 +19,7 @@ from .. import keys
 from ..privacy import PrivacyLedger
 from ..program_cache import to_device
 from ..results import DPPVIResult
+from .local import DPOptimisation
 from .server import PVIState
 
 CHECKPOINT_FORMAT = "numpyro_dppvi.DPPVICheckpoint/1"
@@ -90,6 +92,11 @@ def resume(driver, path, clients, rounds: int, hmac_key: bytes | None = None, rn
                                  f"uses {getattr(expected, name)!r}; resume with the saved privacy settings")
     if keys.keyed_fingerprint(key_data, driver.clients) != meta["fingerprint"]:
         raise ValueError(f"{path} was fitted on other client data; resume it with the same clients in the same order")
+    arrays, filled = checkpoints.with_added_leaves(template, arrays, DPOptimisation.ADDED_STATE)
+    if filled:
+        warnings.warn(f"{path} was saved by an older version, without {', '.join(filled)}: they start at zero and "
+                      "enter from each client's next update, so the noise-aware posterior under-states the gain's "
+                      "noise until the clients have updated a few times", UserWarning, stacklevel=3)
     state = checkpoints.unflatten_like(template, arrays)
     done = int(state.round)
     if done > rounds:

@@ -214,3 +214,27 @@ def test_a_node_tells_the_server_its_declared_size_not_its_rows(clients, tmp_pat
     node = NodeSettings.from_node_config(node_config(tmp_path / "c", 0, clients[0], **{"public-size": n - 1}))
     with pytest.raises(SettingsError, match="public-size"):
         node.size_of(n)
+
+
+def test_a_client_state_saved_without_the_gain_noise_reads_back_with_it_at_zero(caplog):
+    """A node's state file written by an older version lacks ``gain_noise`` (``DPOptimisation.ADDED_STATE``; the
+    other leaves keep their tree order): it reads back with that entry at zero, logged; a state missing anything
+    else is refused."""
+    from numpyro_dppvi.flower import local_update
+
+    square = lambda v: np.full((DIM, DIM), v, np.float32)
+    template = {"curvature_bias": square(0.0), "factor_noise": square(0.0), "gain_noise": square(0.0),
+                "information_sum": np.zeros(DIM, np.float32), "noise_std": np.float32(0.0)}
+    saved = {"curvature_bias": square(1.0), "factor_noise": square(2.0), "information_sum": np.full(DIM, 3.0, np.float32),
+             "noise_std": np.float32(4.0)}
+    with caplog.at_level("WARNING", logger="numpyro_dppvi.flower.client"):
+        state = local_update.rule_state_from(template, [saved[k] for k in sorted(saved)])
+    assert "gain_noise" in caplog.text and "start at zero" in caplog.text
+    np.testing.assert_array_equal(state["gain_noise"], square(0.0))
+    for name, value in saved.items():
+        np.testing.assert_array_equal(state[name], value)
+    current = dict(saved, gain_noise=square(5.0))
+    np.testing.assert_array_equal(local_update.rule_state_from(template, [current[k] for k in sorted(current)])
+                                  ["gain_noise"], square(5.0))
+    with pytest.raises(ValueError, match="has 3 arrays, the fit's rule expects 5"):
+        local_update.rule_state_from(template, [saved[k] for k in sorted(saved)][1:])

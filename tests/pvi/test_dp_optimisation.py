@@ -182,6 +182,34 @@ def test_private_resume_continues_the_ledger(tmp_path, public_sizes):
         d.run(None, clients, rounds=1, state=state)
 
 
+def test_a_checkpoint_saved_without_the_gain_noise_resumes_with_it_at_zero(tmp_path):
+    """A private checkpoint of an older version lacks the client state's ``gain_noise``
+    (``DPOptimisation.ADDED_STATE``): the resume says so, starts it at zero and continues the ledger. The term
+    enters only the noise-aware posterior's sds, so ``q`` as fitted is the uninterrupted fit's, bit for bit."""
+    from numpyro_dppvi import checkpoint
+    from numpyro_dppvi.pvi.local import DPOptimisation
+
+    clients = small_clients()
+    privacy = Privacy(noise_multiplier=1.2, clip=1.0)
+    full = driver(privacy).run(jax.random.key(4), clients, rounds=4)
+    path = tmp_path / "p.ckpt"
+    d = driver(privacy)
+    d.run(jax.random.key(4), clients, rounds=2, checkpoint=path)
+    arrays, meta = checkpoint.load(path)
+    state = checkpoint.unflatten_like(d.init(jax.random.key(4), clients), arrays)
+    older = {k: v for k, v in state.client_state.items() if k not in DPOptimisation.ADDED_STATE}
+    assert len(older) == len(state.client_state) - 1
+    checkpoint.save(path, state._replace(client_state=older), meta, private=True)
+    with pytest.warns(UserWarning, match=r"older version, without .*gain_noise.*start at zero"):
+        resumed = driver(privacy).resume(path, clients, rounds=4)
+    np.testing.assert_array_equal(np.asarray(resumed.q_fitted.eta1), np.asarray(full.q_fitted.eta1))
+    assert resumed.privacy == full.privacy
+    other = {k: v for k, v in state.client_state.items() if k != "factor_noise"}  # anything else missing: refused
+    checkpoint.save(path, state._replace(client_state=other), meta, private=True)
+    with pytest.raises(ValueError, match="does not match this fit's configuration"):
+        driver(privacy).resume(path, clients, rounds=4)
+
+
 def test_a_resume_past_a_spent_budget_says_so_and_stops(tmp_path):
     """A fit whose noise is calibrated to 3 rounds, resumed to 6: every budget is spent after round 3, so the
     resume raises with the advice instead of running 3 rounds in which no client takes part (issue 26). The
