@@ -691,7 +691,7 @@ class DPPVI:
                 "The intervals account for the noise's spread but not fully for its pull: at this level the private "
                 "mean of a non-Gaussian likelihood settles nearer the prior than the intervals allow (measured on a "
                 "logistic regression, benchmarks/coverage.py: where the sds were 2-3 times the non-private fit's, "
-                "90% intervals covered about 0.8 of the true values; a Gaussian likelihood's covered)")
+                "90% intervals covered 0.76-0.86 of the true values; a Gaussian likelihood's covered)")
         warnings.warn(
             f"{self.caller}: the noise of the releases ({source}) dominates the "
             f"posterior: its sds are up to {ratio[worst]:.2g} times what the clients' data would give without it "
