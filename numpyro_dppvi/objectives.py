@@ -266,9 +266,44 @@ def probe_scale(params: dict) -> jax.Array:
 
 
 def pair_release_dimension(dim: int, num_samples: int) -> int:
-    """Noise coordinates of one DP optimisation release (:func:`per_example_pair_grads`): the pair means and
-    half-differences of ``max(num_samples // 2, 1)`` antithetic pairs, ``2 P D``, whatever the family of ``q``."""
+    """Noise coordinates of one DP optimisation release of the pair gradients (:func:`per_example_pair_grads`,
+    the release of :class:`~numpyro_dppvi.optim.PrivateNewton` steps and of every step of a full-rank or low-rank
+    ``q``): the pair means and half-differences of
+    ``max(num_samples // 2, 1)`` antithetic pairs, ``2 P D``."""
     return 2 * max(int(num_samples) // 2, 1) * int(dim)
+
+
+def per_example_scaled_grads(log_lik_row, params: dict, eps: jax.Array, rows: tuple, curvature_weight,
+                             blocks: tuple[int, ...] | None = None) -> dict:
+    """The per-example vector DP optimisation with an optax step clips and noises (mean-field ``q``): the
+    variational gradient of :func:`per_example_log_lik_grads` with its log-scale block put on the scale of the
+    pair release's curvature block (:func:`per_example_pair_grads`),
+
+        a_i = g_i^mu = (1/S) sum_s G_is,        b_i = kappa (1/S) sum_s G_is * eps_s / sigma = kappa g_i^{log s} / (s sigma),
+
+    ``sigma`` the root mean square of ``q``'s sds (:func:`probe_scale`), ``kappa`` = ``curvature_weight``. With
+    antithetic draws (``sum_s eps_s = 0``) ``b_i`` is about ``kappa diag(H_i) s / sigma``: the curvature in units of
+    ``q``'s sds, where ``g_i^{log s}`` is ``O(s^2)`` and the noise of a joint clip sized by ``g_i^mu`` would swamp it
+    by ``1 / s^2`` (measured: ``q``'s sds 2-5 times too wide, benchmarks/results/coverage.json). ``s`` and ``sigma``
+    are public (``q``), so the gradient is post-processing of the release (:func:`gradients_from_scaled`). Leaves
+    ``[B, D]``. Dividing by the coordinate's own ``s`` is bounded here: ``b_i`` is ``E_q[G e]``, one coordinate's
+    own curvature, not the curvature of other coordinates through it."""
+    grads = per_example_log_lik_grads(log_lik_row, params, eps, rows, blocks)
+    scale = curvature_weight / (jnp.exp(params["log_scale"]) * probe_scale(params))
+    return {"loc": grads["loc"], "log_scale": grads["log_scale"] * scale}
+
+
+def gradients_from_scaled(params: dict, scaled: dict, curvature_weight) -> dict:
+    """Inverse of :func:`per_example_scaled_grads` applied to a sum over rows: the gradient in ``(mu, log s)``."""
+    scale = jnp.exp(params["log_scale"]) * probe_scale(params) / curvature_weight
+    return {"loc": scaled["loc"], "log_scale": scaled["log_scale"] * scale}
+
+
+def release_dimension(dim: int, num_samples: int, pair_release: bool) -> int:
+    """Noise coordinates of one DP optimisation release (the ``dimension`` of its ledger event): the pair release's
+    (:func:`pair_release_dimension`), or ``2 D`` for the scaled variational gradient of a mean-field ``q``
+    (:func:`per_example_scaled_grads`)."""
+    return pair_release_dimension(dim, num_samples) if pair_release else 2 * int(dim)
 
 
 def per_example_pair_grads(log_lik_row, params: dict, eps: jax.Array, rows: tuple, curvature_weight,

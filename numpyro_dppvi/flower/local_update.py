@@ -41,7 +41,7 @@ from ..optim import Newton, PrivateNewton, cvi
 from ..pvi import low_rank
 from ..pvi.full_rank import NonPrivateFullRank
 from ..pvi.low_rank import NonPrivateLowRank
-from ..pvi.local import DPOptimisation, NonPrivate
+from ..pvi.local import DPOptimisation, NonPrivate, releases_pairs
 from ..pvi.privacy_plan import PrivacyPlan, dp_sgd_plan
 from .settings import LocalSettings, NodeSettings, SettingsError
 
@@ -166,8 +166,10 @@ def make_rule(method: str, adapter: ModelAdapter, settings: LocalSettings, plan:
 
 def noise_dimension(settings: LocalSettings, dim: int) -> int:
     """The noise coordinates of one DP-SGD release (its ledger event's ``dimension``), as ``fit_dppvi`` counts
-    them: the pair release (:func:`~numpyro_dppvi.objectives.pair_release_dimension`), whatever the family."""
-    return objectives.pair_release_dimension(dim, settings.num_samples)
+    them (:func:`~numpyro_dppvi.objectives.release_dimension`): the scaled variational gradient's for an optax step of
+    a mean-field ``q``, else the pair release's (:func:`~numpyro_dppvi.pvi.local.releases_pairs`)."""
+    pair = releases_pairs(optimizer(settings.optimizer, float(settings.learning_rate)), settings.family)
+    return objectives.release_dimension(dim, settings.num_samples, pair)
 
 
 def initial_rule_state(rule, plan: PrivacyPlan | None, arrays, mask, key):

@@ -41,6 +41,7 @@ from . import resume as resume_module
 from .defaults import (DEFAULT_LOCAL_STEPS, DEFAULT_OPTIMIZER, FAILED_UPDATES_TOLERATED,
                        METHOD_DEFAULTS, METHODS, NEWTON_MAX_DIM, PRIVATE_NEWTON_DEFAULTS,
                        MIN_ROUNDS, PRIVACY_UNITS, UPDATE_METHODS, default_schedule, did_you_mean, shards_of_batch)
+from .local import releases_pairs
 from .plan import RoundSpec, model_adapter, round_program
 from .privacy_plan import check_subsampled
 from .server import SCHEDULES, PVIState
@@ -293,14 +294,17 @@ class DPPVI:
             self.adapter.validate_data(c, f"client {m}")
         self.num_clients = len(clients)
         a = self.adapter
-        # noise coordinates of one release: a change of (eta1, eta2) (2 D, D (D + 3) / 2, ...), or DP-SGD's pair
-        # release, 2 P D (objectives.pair_release_dimension)
+        # noise coordinates of one release: a change of (eta1, eta2) (2 D, D (D + 3) / 2, ...), or DP-SGD's
+        # pair release, 2 P D, or an optax step's scaled variational gradient of a mean-field q, 2 D
+        # (objectives.release_dimension)
         if self.family == "low_rank":
             self.rank = factors.resolved_rank(a.dim, self.rank)
         if self.auto_local_step:
             self._resolve_local_step(a.dim)
-        dimension = (objectives.pair_release_dimension(a.dim, self.num_samples) if self.method == "dp_optimisation"
-                     else factors.num_coordinates(a.dim, self.family, self.rank or 0))
+        pair = releases_pairs(self.optimizer, self.family)
+        rank = self.rank or 0
+        dimension = (objectives.release_dimension(a.dim, self.num_samples, pair)
+                     if self.method == "dp_optimisation" else factors.num_coordinates(a.dim, self.family, rank))
         declared = self.declared_sizes is not None and self.privacy_unit != "client"
         if self.method in UPDATE_METHODS:
             layout = self.shard_layout(clients, key_data, counts=shard_counts(sizes, self.shards) if declared else None)

@@ -260,6 +260,13 @@ class ServerFactorStep:
         return Gaussian(q.eta1.at[index].set(c1 + s1 / count), q.eta2.at[index].set(c2 + s2 / count))
 
 
+def releases_pairs(optimizer, family: str) -> bool:
+    """Whether DP optimisation with this local step and family releases the pair gradients
+    (:attr:`DPOptimisation.pair_release`): every family and step but an optax step of a mean-field ``q``, which
+    releases the scaled variational gradient (:func:`~numpyro_dppvi.objectives.per_example_scaled_grads`)."""
+    return family != "mean_field" or isinstance(optimizer, PrivateNewton)
+
+
 @dataclass(frozen=True)
 class DPOptimisation(NonPrivate):
     """DP-SGD inside the local step (Heikkila et al. 2023, §4.1, Theorem 6; DESIGN §5.1).
@@ -276,6 +283,15 @@ class DPOptimisation(NonPrivate):
 
     (the loss per public row: ``1 / q_m`` makes the batch sum an unbiased estimate of the sum over the
     ``n_m <= N_m`` rows, whatever ``n_m`` is).
+
+    The vector actually clipped and noised is one from which ``g_i`` is a public linear function
+    (:attr:`pair_release`): with :class:`~numpyro_dppvi.optim.PrivateNewton` steps, and any step of a full-rank or
+    low-rank ``q``, the pair gradients of the likelihood at antithetic draws
+    (:func:`~numpyro_dppvi.objectives.per_example_pair_grads`, ``2 P D`` coordinates), from which the step reads
+    both the gradient above and the factor estimates of the noise-aware answer (:mod:`.noise_aware`); with an optax
+    step of a mean-field ``q``, ``g_i`` with its log-scale block scaled by the public ``kappa / (s sigma)``
+    (:func:`~numpyro_dppvi.objectives.per_example_scaled_grads`, ``2 D`` coordinates), so that the curvature it
+    carries is not swamped by the noise. The sensitivity argument below holds for any such vector.
 
     A Poisson batch is never padded: :func:`~numpyro_dppvi.privacy.sampling.poisson_fold` walks it
     ``chunk`` rows at a time, so the work follows the batch actually drawn (no pad sized for its
@@ -304,7 +320,8 @@ class DPOptimisation(NonPrivate):
     """
 
     log_lik_row: Callable = None
-    curvature_weight: float = 1.0  # kappa of the pair release's curvature block (objectives.per_example_pair_grads)
+    curvature_weight: float = 1.0  # kappa of the released curvature block (objectives.per_example_pair_grads,
+    # objectives.per_example_scaled_grads)
     clip: float = 1.0
     sampling: str = "poisson"
     max_batch: int = 0  # the fixed batch of sampling without replacement
@@ -345,15 +362,35 @@ class DPOptimisation(NonPrivate):
         :class:`~numpyro_dppvi.optim.PrivateNewton` steps; with an optax optimizer it is the (tail-averaged) iterate."""
         return self.family in ("mean_field", "full_rank") and isinstance(self.optimizer, PrivateNewton)
 
+    @property
+    def pair_release(self) -> bool:
+        """Whether a step releases the per-example pair gradients
+        (:func:`~numpyro_dppvi.objectives.per_example_pair_grads`, ``2 P D`` coordinates), which the trace's factor
+        estimates need (:attr:`trace_answer`) and full-rank and low-rank optax steps read; an optax step of a
+        mean-field ``q`` releases the per-example variational gradient with its log-scale block scaled
+        (:func:`~numpyro_dppvi.objectives.per_example_scaled_grads`, ``2 D`` coordinates), all it reads."""
+        return releases_pairs(self.optimizer, self.family)
+
+    def release_zero(self, params, eps):
+        """A zero of the released sum's layout: ``[2, P, D]`` (pair release) or a tree like ``params``."""
+        if self.pair_release:
+            return jnp.zeros((2, self.pairs, self.dim), eps.dtype)
+        return jax.tree.map(jnp.zeros_like, params)
+
     def clipped_sum(self, params, eps, rows, bmask, clip=None):
-        """``sum_{i in B} clip_C(Gamma_i)`` of per-example, per-draw likelihood gradients over given rows
-        (pre-noise), ``[S, D]``."""
+        """``sum_{i in B} clip_C(Gamma_i)`` over given rows (pre-noise) of the per-example vectors the step releases
+        (:attr:`pair_release`): the pair gradients ``[2, P, D]``, or the scaled variational gradients, a tree like
+        ``params``."""
         return self.clipped_sum_and_norms(params, eps, rows, bmask, clip)[0]
 
     def clipped_sum_and_norms(self, params, eps, rows, bmask, clip=None):
         """:meth:`clipped_sum` and the unclipped per-example norms (for adaptive clipping)."""
-        per_example = objectives.per_example_pair_grads(self.log_lik_row, params, eps, rows, self.curvature_weight,
-                                                         self.blocks)
+        if self.pair_release:
+            per_example = objectives.per_example_pair_grads(self.log_lik_row, params, eps, rows,
+                                                             self.curvature_weight, self.blocks)
+        else:
+            per_example = objectives.per_example_scaled_grads(self.log_lik_row, params, eps, rows,
+                                                               self.curvature_weight, self.blocks)
         summed, norms = clipped_sum(per_example, self.clip if clip is None else clip, bmask)
         return summed, norms
 
@@ -364,19 +401,27 @@ class DPOptimisation(NonPrivate):
             def add_chunk(carry, indices, chunk_mask):
                 total, count = carry
                 summed, norms = self.clipped_sum_and_norms(params, eps, take_rows(arrays, indices), chunk_mask, clip)
-                return total + summed, count + centred_count(norms, chunk_mask, clip)
+                return jax.tree.map(jnp.add, total, summed), count + centred_count(norms, chunk_mask, clip)
 
-            zero = (jnp.zeros((2, self.pairs, self.dim), eps.dtype), jnp.zeros(()))
+            zero = (self.release_zero(params, eps), jnp.zeros(()))
             return (row_fold if self.row_sampler else poisson_fold)(key, mask, rate, self.chunk, add_chunk, zero)
         indices, bmask = without_replacement_batch(key, mask, self.max_batch)
         summed, norms = self.clipped_sum_and_norms(params, eps, take_rows(arrays, indices), bmask, clip)
         return summed, centred_count(norms, bmask, clip)
 
     def released_draw_sums(self, params, key, arrays, mask, client_state):
-        """One DP-SGD release, read as estimates of ``sum_i G_is`` over the client's rows: ``(draw_sums [S, D],
-        eps, client_state)``, ``draw_sums = sqrt(S) (sum_{i in B} clip_C(Gamma_i) + N(0, sigma^2 C^2 I)) / q_m``
-        (:func:`~numpyro_dppvi.objectives.per_example_draw_grads`; ``E[|B|] = q_m n_m``, so ``1 / q_m`` makes the
-        batch sum unbiased for the sum over the ``n_m <= N_m`` rows).
+        """One DP-SGD release of the pair gradients (:attr:`pair_release`), read as estimates of ``sum_i G_is``
+        over the client's rows: ``(draw_sums [S, D], eps, client_state)``, ``draw_sums = sqrt(S) (sum_{i in B}
+        clip_C(Gamma_i) + N(0, sigma^2 C^2 I)) / q_m`` (:func:`~numpyro_dppvi.objectives.per_example_pair_grads`;
+        ``E[|B|] = q_m n_m``, so ``1 / q_m`` makes the batch sum unbiased for the sum over the ``n_m <= N_m``
+        rows)."""
+        noisy, eps, rate, client_state = self.release(params, key, arrays, mask, client_state)
+        return objectives.draw_sums_from_pair_sums(params, noisy, self.curvature_weight) / rate, eps, client_state
+
+    def release(self, params, key, arrays, mask, client_state):
+        """One DP-SGD release: ``(sum_{i in B} clip_C(Gamma_i) + N(0, sigma^2 C^2 I), eps, q_m, client_state)``
+        over the batch ``B`` the accounted sampler draws, ``Gamma_i`` the per-example vector of
+        :meth:`clipped_sum_and_norms`, ``eps`` the step's antithetic draws.
 
         With adaptive clipping (``client_state["clip"]``, Andrew et al. 2021) the clip norm is the
         client's current private quantile estimate; the gradient noise scales with it
@@ -395,30 +440,42 @@ class DPOptimisation(NonPrivate):
         noisy = add_gaussian_noise(k_noise, summed, std)
         if adaptive:
             client_state = dict(client_state, clip=adaptive_clip_update_from_count(client_state["clip"], count, k_count))
-        return objectives.draw_sums_from_pair_sums(params, noisy, self.curvature_weight) / rate, eps, client_state
+        return noisy, eps, rate, client_state
 
     def gradients(self, params, eps, draw_sums, n, cavity):
-        """``(gradient of the loss -L_m / N_m, data-free loss)`` from one release's ``draw_sums`` (aligned
-        gradients: :func:`~numpyro_dppvi.objectives.data_gradients_from_draw_sums`; the cavity term is
-        data-independent and exact)."""
-        data = objectives.data_gradients_from_draw_sums(params, eps, draw_sums)
+        """``(gradient of the loss -L_m / N_m, data-free loss)`` from one pair release's ``draw_sums`` (aligned
+        gradients: :func:`~numpyro_dppvi.objectives.data_gradients_from_draw_sums`)."""
+        return self.loss_gradients(params, objectives.data_gradients_from_draw_sums(params, eps, draw_sums), n,
+                                   cavity)
+
+    def loss_gradients(self, params, data, n, cavity):
+        """``(gradient of the loss -L_m / N_m, data-free loss)`` from the released estimate ``data`` of the
+        likelihood term's gradient (summed over the client's rows); the cavity term is data-independent and
+        exact."""
         prior_value, prior_grad = jax.value_and_grad(lambda p: objectives.cavity_term(p, cavity) / n)(params)
         return jax.tree.map(lambda d, pg: -(d / n + pg), data, prior_grad), -prior_value
 
     def private_step(self, params, key, arrays, mask, n, cavity, client_state):
         """One DP-SGD step: ``(gradient of the loss, data-free loss, client_state)``."""
-        draw_sums, eps, client_state = self.released_draw_sums(params, key, arrays, mask, client_state)
-        grads, loss = self.gradients(params, eps, draw_sums, n, cavity)
+        if self.pair_release:
+            draw_sums, eps, client_state = self.released_draw_sums(params, key, arrays, mask, client_state)
+            grads, loss = self.gradients(params, eps, draw_sums, n, cavity)
+            return grads, loss, client_state
+        noisy, _, rate, client_state = self.release(params, key, arrays, mask, client_state)
+        data = objectives.gradients_from_scaled(params, jax.tree.map(lambda v: v / rate, noisy), self.curvature_weight)
+        grads, loss = self.loss_gradients(params, data, n, cavity)
         return grads, loss, client_state
 
     def update(self, q, cavity, arrays, mask, n, key, client_state):
         trace = self.trace_answer
 
         def gradient_fn(p, k, t, cs):
+            if not trace:
+                grads, loss, cs = self.private_step(p, k, arrays, mask, n, cavity, cs)
+                return grads, (loss, ()), cs
             draw_sums, eps, cs = self.released_draw_sums(p, k, arrays, mask, cs)
             grads, loss = self.gradients(p, eps, draw_sums, n, cavity)
-            estimate = noise_aware.factor_estimate(p, eps, draw_sums) if trace else ()
-            return grads, (loss, estimate), cs
+            return grads, (loss, noise_aware.factor_estimate(p, eps, draw_sums)), cs
 
         if isinstance(self.optimizer, PrivateNewton):
             iterate, (losses, estimates), client_state = self.newton_steps(q, cavity, arrays, mask, n, key,

@@ -2,6 +2,8 @@
 the proof obligations: the noise-aware step is post-processing of the releases (same ledger, no unreleased
 value), and it recovers a noise covariance that is computable exactly."""
 
+import dataclasses
+
 import jax
 import jax.numpy as jnp
 import numpy as np
@@ -12,6 +14,7 @@ import pytest
 import numpyro_dppvi as dppvi
 from numpyro_dppvi import factors, objectives
 from numpyro_dppvi.factors import Gaussian
+from numpyro_dppvi.optim import PrivateNewton
 from numpyro_dppvi.privacy import Privacy
 from numpyro_dppvi.pvi import noise_aware
 
@@ -152,8 +155,10 @@ def test_the_noise_of_a_trace_answer_is_the_exactly_computable_one():
 
 
 def test_the_noise_aware_step_is_post_processing_of_the_releases():
-    """Proof obligations. (i) Same ledger: a fit with and without the noise-aware step records the same events
-    (the same releases, at the same noise, rates and counts). (ii) No unreleased value: replaying one update from
+    """Proof obligations. (i) Same ledger: a fit with and without the noise-aware posterior, both with the same
+    ``PrivateNewton`` steps, records the same events (the same releases, at the same noise, rates and counts; the
+    ``noise_aware=False`` default, an optax step, releases the scaled variational gradient instead, ``2 D``
+    coordinates, at the same noise, rates and counts). (ii) No unreleased value: replaying one update from
     its recorded releases alone (the noisy sums and their draws; no data) through the rule's own
     post-processing (``after_release``, ``trace_answer_of``) gives the rule's answer and the state the posterior
     reads (the factor's noise and curvature, the curvature's bias and the gain's noise; to float32
@@ -162,12 +167,19 @@ def test_the_noise_aware_step_is_post_processing_of_the_releases():
     x, y = regression(300)
     clients = [(x[:150], y[:150]), (x[150:], y[150:])]
     # the same local steps on both sides (left out, private Newton steps take 20 and the optax step 10)
-    fits = [dppvi.fit_dppvi(linear, clients, method="dp_optimisation", batch_size=30, rounds=3, local_steps=10,
-                            privacy=Privacy(epsilon=2.0), rng_key=jax.random.key(3), noise_aware=aware)
-            for aware in (True, False)]
+    fit = lambda **settings: dppvi.fit_dppvi(linear, clients, method="dp_optimisation", batch_size=30, rounds=3,
+                                             local_steps=10, privacy=Privacy(epsilon=2.0), rng_key=jax.random.key(3),
+                                             **settings)
+    fits = [fit(noise_aware=True, optimizer=PrivateNewton()), fit(noise_aware=False, optimizer=PrivateNewton())]
     assert fits[0].noise_aware and not fits[1].noise_aware
     assert fits[0].privacy == fits[1].privacy
     assert [fits[0].privacy.events(m) for m in range(2)] == [fits[1].privacy.events(m) for m in range(2)]
+    assert fits[0].privacy == fit().privacy  # the default is the noise-aware fit
+    optax_step = fit(noise_aware=False).privacy
+    for m in range(2):
+        (pair,), (scaled,) = fits[0].privacy.events(m), optax_step.events(m)
+        assert dataclasses.replace(pair, dimension=scaled.dimension) == scaled
+        assert (pair.dimension, scaled.dimension) == (objectives.pair_release_dimension(3, 10) + 1, 2 * 3 + 1)
 
     d, cs, arrays, mask, q = rule_and_state(x, y, noise_multiplier=1.5, clip=3.0, batch_size=50, local_steps=6,
                                             noise_aware=True)

@@ -89,17 +89,22 @@ LOW_RANK_Q = factors.Gaussian(jnp.array([0.6, -0.9]), factors.LowRank(
     jnp.array([-1.5, -1.0]), jnp.array([[-2.0]]), jnp.array([[0.70710678], [0.70710678]])))
 
 @pytest.mark.parametrize("relation", RELATIONS)
-@pytest.mark.parametrize("family", ["mean_field", "full_rank", "low_rank"])
-def test_dp_optimisation_step_sum(family, relation):
-    """The released query of a DP-SGD step, ``sum_i clip(Gamma_i)`` of the per-example vectors of pair means and
-    scaled pair differences of the likelihood's gradient at antithetic draws of ``q``
-    (``objectives.per_example_pair_grads``) over a batch holding every record (rate 1: the record is always in
-    it), clipped jointly. Full-rank: draws of a correlated ``q``; low-rank: draws from ``D + r`` normals."""
+@pytest.mark.parametrize("family,optimizer", [("mean_field", "newton"), ("full_rank", "newton"),
+                                              ("mean_field", "optax"), ("full_rank", "optax"), ("low_rank", "optax")])
+def test_dp_optimisation_step_sum(family, optimizer, relation):
+    """The released query of a DP-SGD step, ``sum_i clip(Gamma_i)`` over a batch holding every record (rate 1:
+    the record is always in it), each per-example vector clipped jointly: the pair means and scaled pair differences
+    of the likelihood's gradient at antithetic draws of ``q`` (``objectives.per_example_pair_grads``) with
+    ``PrivateNewton`` steps (the default here) and with any step of a full-rank or low-rank ``q``; with an optax step
+    of a mean-field ``q`` the variational gradient, its log-scale block scaled (``objectives.per_example_scaled_grads``,
+    a tree like the parameters). Full-rank: draws of a correlated ``q``; low-rank: draws from ``D + r`` normals."""
     client = client_data(40)
     d = dppvi.DPPVI(logistic, method="dp_optimisation", batch_size=5, rounds=1, num_samples=3,
                     privacy=Privacy(noise_multiplier=1.0, clip=CLIP), family=family,
-                    **({"rank": 1} if family == "low_rank" else {}))
+                    **({"rank": 1} if family == "low_rank" else {}),
+                    **({"optimizer": optax.adam(1e-2)} if optimizer == "optax" else {}))
     d.init(jax.random.key(0), [client, client_data(40, 1)])
+    assert d.rule.pair_release == (optimizer == "newton" or family != "mean_field")
     params = {"loc": jnp.array([0.3, -0.2]), "log_scale": jnp.array([-1.0, -0.5])}
     if family == "full_rank":
         params = factors.to_params(factors.Gaussian(jnp.array([0.6, -0.9]), jnp.array([[-4.0, 1.5], [1.5, -3.0]])))
