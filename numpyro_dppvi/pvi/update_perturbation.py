@@ -48,7 +48,12 @@ adaptively. Concretely:
 * **Virtual clients** (Algorithm 3): shard ``k`` has its own factor ``t_{m,k}`` and cavity
   ``q / t_{m,k}`` and runs one PVI local step; the client's proposal is ``eta(q) + R_m``. Since the virtual
   factors hold no noise, the noise of every applied release stays in ``t_m``, with a variance the client
-  carries (:mod:`.release_noise`, the noise-aware posterior).
+  carries (:mod:`.release_noise`, the noise-aware posterior). A mean-field change is clipped and released
+  centred on the public mean ``m`` of ``q`` (:func:`centre`: ``(Delta eta1 + 2 Delta eta2 m, Delta eta2)``, the
+  factor's linear term in ``theta - m``) and taken back to natural parameters after the noise (:func:`uncentre`):
+  a linear map fixed by the public ``q``, so the clipped vector's norm, and every sensitivity argument below, are
+  those of the centred change; the noise then moves ``q``'s mean by ``(xi_1 + 2 xi_2 (mu - m)) / Lambda`` instead
+  of ``(xi_1 + 2 xi_2 mu) / Lambda``.
 * **Parameter perturbation**: local averaging with one shard.
 
 **Invalid noisy updates**: the noisy proposal can have a non-positive precision. The damped update
@@ -122,6 +127,19 @@ def release_change(key, change: Gaussian, std, basis=None) -> Gaussian:
     return Gaussian(add_gaussian_noise(k1, change.eta1, std), add_frobenius_symmetric_noise(k2, change.eta2, std))
 
 
+def centre(change: Gaussian, mean) -> Gaussian:
+    """A change of a mean-field factor's natural parameters in coordinates centred on the public mean ``m`` of
+    ``q``: ``(Delta eta1 + 2 Delta eta2 * m, Delta eta2)``, the factor's linear term in ``theta - m`` instead of
+    ``theta`` (a change of precision no longer moves ``eta1`` by ``m`` times itself). Linear and invertible
+    (:func:`uncentre`) for a given ``m``."""
+    return Gaussian(change.eta1 + 2.0 * change.eta2 * mean, change.eta2)
+
+
+def uncentre(centred: Gaussian, mean) -> Gaussian:
+    """Inverse of :func:`centre`: ``(a - 2 b * m, b)``."""
+    return Gaussian(centred.eta1 - 2.0 * centred.eta2 * mean, centred.eta2)
+
+
 def apply_invalid_rule(q: Gaussian, proposal: Gaussian, damping, rule: str, precision_floor: float):
     """Return ``(proposal', invalid)``: the proposal after the documented rule and whether it fired.
 
@@ -193,6 +211,15 @@ class ShardRule:
     def shard_keys(self, key, client_state):
         return jax.vmap(lambda i: jax.random.fold_in(key, i))(client_state["ids"])
 
+    def release_centre(self, q):
+        """The public mean the release is centred on (:func:`centre`), or None: released in natural parameters."""
+        return None
+
+    def from_release(self, q, released):
+        """The change of natural parameters a release (or a sum of them, noised or not) stands for."""
+        centre_at = self.release_centre(q)
+        return released if centre_at is None else uncentre(released, centre_at)
+
     def update(self, q, cavity, arrays, mask, n, key, client_state):
         """The client alone (no trusted aggregator): release ``S_m + N(0, noise_std^2)`` and propose
         ``q * release^scale`` under the invalid-update rule."""
@@ -200,13 +227,14 @@ class ShardRule:
         summed, tentative = self.contribution(q, cavity, arrays, mask, k_shards, client_state)
         basis = q.eta2.basis if factors.is_low_rank(q) else None
         released = summed if self.clip is None else release_change(k_noise, summed, client_state["noise_std"], basis)
+        released = self.from_release(q, released)
         proposal = propose(q, cavity, released, self.scale(client_state["num_shards"]), client_state["noise_std"])
         proposal, invalid = apply_invalid_rule(q, proposal, self.damping, self.invalid, self.precision_floor)
         accepted = ~invalid if self.invalid == "reject" else jnp.ones((), bool)
-        state = self.carry_noise(self.commit(client_state, tentative, accepted), accepted)
+        state = self.carry_noise(self.commit(client_state, tentative, accepted), accepted, q)
         return proposal, state, {"loss": jnp.zeros(()), "invalid": invalid}
 
-    def carry_noise(self, client_state, accepted):
+    def carry_noise(self, client_state, accepted, q):
         """The client state with what the release's noise left in the client's factor (only virtual clients
         track it: :mod:`.release_noise`)."""
         return client_state
@@ -271,24 +299,34 @@ class VirtualClients(ShardRule):
         q_k, _ = fit_shard(self, q, cavity, arrays, mask, jnp.maximum(jnp.sum(mask), 1.0), key)
         return q_k, factors.is_proper(cavity)
 
+    def release_centre(self, q):
+        """Mean-field: the mean of ``q`` (public), so that the noise a release leaves in ``q`` moves its mean by
+        ``(xi_1 + 2 xi_2 (mu - m)) / Lambda`` instead of ``(xi_1 + 2 xi_2 mu) / Lambda`` (:mod:`.release_noise`)."""
+        return factors.to_loc_scale(q)[0] if self.family == "mean_field" else None
+
     def contribution(self, q, cavity, arrays, mask, key, client_state):
         """``sum_k clip_C(Delta_k)`` over non-empty shards whose cavity is proper (a virtual client with
-        an improper cavity proposes no change), and the virtual factors advanced by ``rho clip_C(Delta_k)``."""
+        an improper cavity proposes no change), and the virtual factors advanced by ``rho clip_C(Delta_k)``. A
+        mean-field change is clipped, summed and released centred on ``q``'s public mean (:func:`centre`); the
+        virtual factors take it back in natural parameters (:meth:`from_release`)."""
         valid_shard = jnp.any(mask, axis=-1)
         q_k, cavity_ok = jax.vmap(self.shard_update, in_axes=(None, 0, 0, 0, 0))(
             q, client_state["factors"], arrays, mask, self.shard_keys(key, client_state))
         use = valid_shard & cavity_ok
-        deltas = jax.vmap(lambda a: clip_change(factors.divide(a, q), self.clip))(q_k)
+        centre_at = self.release_centre(q)
+        in_release = (lambda d: d) if centre_at is None else (lambda d: centre(d, centre_at))
+        deltas = jax.vmap(lambda a: clip_change(in_release(factors.divide(a, q)), self.clip))(q_k)
         deltas = Gaussian(*(jnp.where(_expand(use, d), d, 0.0) for d in deltas))
-        advanced = factors.multiply(client_state["factors"], factors.scale(deltas, self.damping))
+        advanced = factors.multiply(client_state["factors"], factors.scale(self.from_release(q, deltas), self.damping))
         return factors.product(deltas), dict(client_state, factors=advanced)
 
     def commit(self, client_state, tentative, accepted):
         return jax.tree.map(lambda new, old: jnp.where(accepted, new, old), tentative, client_state)
 
-    def carry_noise(self, client_state, accepted):
-        """Eq. (1) of :mod:`.release_noise`: the factor took ``rho xi_m`` when the update was accepted."""
-        return release_noise.carried(client_state, self.damping, accepted)
+    def carry_noise(self, client_state, accepted, q):
+        """Eq. (1) of :mod:`.release_noise`: the factor took ``rho xi_m`` when the update was accepted, released
+        centred on ``q``'s mean."""
+        return release_noise.carried(client_state, self.damping, accepted, self.release_centre(q))
 
 
 def fit_shard(rule, q, cavity, arrays, mask, n_eff, key, opt_state=None):
@@ -352,6 +390,8 @@ def trusted_aggregator_round(rule: ShardRule, damping, state, data, mask, sizes,
     sent = jax.vmap(lambda k, s, std, c: factors.scale(release_change(k, s, std), c))(
         noise_keys, summed, share, scale)
     aggregate = factors.product(Gaussian(*(jnp.where(_expand(participating, x), x, 0.0) for x in sent)))
+    aggregate = rule.from_release(q, aggregate)  # every client released centred on the same public q
+    summed = jax.vmap(lambda s: rule.from_release(q, s))(summed)
     proposal, invalid = apply_invalid_rule(q, factors.multiply(q, aggregate), damping, rule.invalid,
                                            rule.precision_floor)
     accepted = ~invalid if rule.invalid == "reject" else jnp.ones((), bool)

@@ -27,11 +27,14 @@ def virtual_clients(**options):
 
 def test_the_noise_left_in_q_is_what_the_clients_carry():
     """Eq. (1): after any rounds, a client's released factor less its virtual factors is ``rho`` times the sum of
-    its releases' noise, whose variance the client carries. Over 16 keys (the same data), 3 rounds, 2 clients and 6
-    natural coordinates each, the 192 residuals over the carried sd are N(0, 1): their variance is within 0.35 of
-    1 (its standard error is sqrt(2 / 192) = 0.10; the bookkeeping off by one round would give 0.67 or 1.33, a
-    missing damping factor 4), their mean within 0.3 (se 0.07). The invalid-update rule never fires here (the
-    release's noise std 0.25 against precisions of ~100)."""
+    its releases' noise, ``(xi_1 - 2 xi_2 m_r, xi_2)`` for releases centred on ``q``'s means ``m_r``, whose variances
+    the client carries: ``W + 4 sum_r w_r m_r^2`` on ``eta1``, ``W`` on ``eta2``. Over 16 keys (the same data), 3
+    rounds, 2 clients and 6 natural coordinates each, the 192 residuals over the carried sd are N(0, 1): their
+    variance is within 0.35 of 1 (its standard error is sqrt(2 / 192) = 0.10; the bookkeeping off by one round would
+    give 0.67 or 1.33, a missing damping factor 4; the means move little here, so that the centres add about 0.4 to
+    ``eta1``'s variance, and eq. (2)'s use of them is checked against Monte Carlo below), their mean within 0.3 (se
+    0.07). The invalid-update rule never fires here (the release's noise std 0.25
+    against precisions of ~100)."""
     clients = linreg_clients(n=120, m=2)[0]
     d = virtual_clients(invalid="reject")
     limits = jnp.full(2, 10, jnp.int32)
@@ -45,8 +48,9 @@ def test_the_noise_left_in_q_is_what_the_clients_carry():
         carried = np.asarray(state.client_state[release_noise.KEY])
         np.testing.assert_allclose(carried, 3 * (DAMPING * np.asarray(state.client_state["noise_std"])) ** 2,
                                    rtol=1e-5)
-        for released, own in zip(state.factors, virtual):
-            scaled.append((np.asarray(released) - np.asarray(own)) / np.sqrt(carried)[:, None])
+        centred_sq = np.asarray(state.client_state[release_noise.CENTRE_KEYS[1]])
+        for released, own, var in zip(state.factors, virtual, (carried[:, None] + 4 * centred_sq, carried[:, None])):
+            scaled.append((np.asarray(released) - np.asarray(own)) / np.sqrt(var))
     scaled = np.concatenate(scaled).ravel()
     assert scaled.size == 192
     assert abs(np.var(scaled) - 1.0) < 0.35, np.var(scaled)
@@ -84,6 +88,18 @@ def test_the_widened_variance_is_the_mixtures_to_first_order():
     np.testing.assert_allclose(scale ** 2, np.var(np.asarray(theta), axis=0), rtol=0.03)
     assert np.all(np.abs(loc - np.mean(np.asarray(theta), axis=0)) < 0.05 * np.std(np.asarray(theta), axis=0))
     assert scale[0] > 1.1 / np.sqrt(precision[0])  # the noise is not negligible on the first coordinate
+    # releases centred on m: eta1's noise is xi_1 - 2 xi_2 m, and eq. (2) takes (mu - m)^2 for mu^2
+    centre = jnp.array([1.2, 0.3])
+    weights = jnp.array([1.0, 3.0])
+    centred = {release_noise.KEY: weights, release_noise.CENTRE_KEYS[0]: weights[:, None] * centre,
+               release_noise.CENTRE_KEYS[1]: weights[:, None] * centre ** 2}
+    _, scale_c = factors.to_loc_scale(release_noise.noise_aware_posterior(q, centred))
+    xi1, xi2 = (jnp.sqrt(v) * jax.random.normal(k, (400_000, 2)) for k in jax.random.split(k1))
+    eta1 = precision * mean - (xi1 - 2.0 * xi2 * centre)
+    lam = precision + 2.0 * xi2
+    theta = eta1 / lam + jax.random.normal(k3, (400_000, 2)) / jnp.sqrt(lam)
+    np.testing.assert_allclose(scale_c ** 2, np.var(np.asarray(theta), axis=0), rtol=0.03)
+    assert scale_c[0] < 0.9 * scale[0]  # the first coordinate's mean is near its centre: less noise on it
     quiet = release_noise.noise_aware_posterior(q, {release_noise.KEY: jnp.zeros(2)})
     np.testing.assert_allclose(quiet.eta1, q.eta1, rtol=1e-6)
     np.testing.assert_allclose(quiet.eta2, q.eta2, rtol=1e-6)
