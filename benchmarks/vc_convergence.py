@@ -13,8 +13,9 @@ the maximum over (data set, coordinate) of ``(mean - reference mean) / reference
 ``rho`` leave it short of its fixed point; the noise a fit adds grows as ``rho^2 R sigma^2`` (``sigma`` itself
 with ``R``), which is the trade-off a schedule makes.
 
-Measured (``benchmarks/results/vc_convergence.json``): the default (synchronous, damping 0.1, 10 rounds) is about
-1.8 sd RMS off at 10,000 rows; the sequential schedule at damping 0.5 reaches the fixed point in 10 rounds.
+Measured (``benchmarks/results/vc_convergence.json``, releases centred on ``q``'s mean): the default (synchronous,
+damping 0.1, 10 rounds) is about 1.65 sd RMS off at 10,000 rows (1.8 before the releases were centred); the
+sequential schedule at damping 0.5 comes within 0.43 sd in 10 rounds (0.34 before).
 
 Run from a checkout: ``python benchmarks/vc_convergence.py`` (``--datasets 4``, about 2 minutes on 2 cores).
 """
