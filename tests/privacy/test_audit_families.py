@@ -42,7 +42,7 @@ from numpyro_dppvi import factors
 from numpyro_dppvi.factors import Gaussian
 from numpyro_dppvi.optim import Newton
 from numpyro_dppvi.privacy import GaussianEvent, Privacy, audit, sensitivity
-from numpyro_dppvi.pvi import server
+from numpyro_dppvi.pvi import server, update_perturbation
 from numpyro_dppvi.pvi.update_perturbation import trusted_aggregator_round
 from numpyro_dppvi.vips import BayesianLinearRegression
 from numpyro_dppvi.vips.engine import scale_bounds
@@ -184,6 +184,45 @@ def test_full_rank_dp_optimisation_audit(bug):
     check("dp_optimisation", f"full-rank, add/remove, bug: {bug}", result, claim, expect_exceeds=bug != "none")
 
 
+def curvature_pair(d):
+    """A pair whose difference is all in the log-scale block of the released per-example vector: row 0 is
+    ``x = 10 e_1, y = 0`` (at ``q``'s mean 0 its mean gradient ``x (y - x mu)`` is 0 and the antithetic draws cancel
+    the rest; its log-scale gradient is ``-x^2 s^2`` per draw), against the same rows without it."""
+    x, y = (a[0] for a in d.data)
+    arrays = (x.at[0].set(jnp.asarray([10.0, 0.0], x.dtype)), y.at[0].set(0.0))
+    mask = d.mask[0]
+    removed = tuple(jnp.concatenate([a[1:], jnp.zeros_like(a[:1])]) for a in arrays)
+    return (arrays, mask), (removed, mask.at[-1].set(False))
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("bug", ["none", "scaled after the clip"])
+def test_dp_optimisation_audit_of_the_scaled_log_scale_block(bug, monkeypatch):
+    """An optax step of a mean-field ``q`` releases the variational gradient with its log-scale block scaled by
+    the public ``kappa / (s sigma)`` (``objectives.per_example_scaled_grads``, issue 25); with ``q``'s sds at
+    ``e^-3`` that is 400. The scaling must come before the clip: scaled after it, a row whose unscaled log-scale
+    gradient (``-x^2 s^2 = -0.25``) is inside the clip moves the release by 100 clip norms."""
+    d, state, claim = dp_optimisation_setup()
+    assert not d.rule.pair_release
+    if bug != "none":
+        from numpyro_dppvi import objectives
+        from numpyro_dppvi.pvi import local
+
+        honest_sum, unscaled = local.clipped_sum, objectives.per_example_log_lik_grads
+        monkeypatch.setattr(objectives, "per_example_scaled_grads",
+                            lambda fn, params, eps, rows, weight, blocks=None: unscaled(fn, params, eps, rows, blocks))
+
+        def scaled_after_the_clip(per_example, clip, mask):
+            summed, norms = honest_sum(per_example, clip, mask)
+            factor = d.rule.curvature_weight / jnp.exp(2 * -3.0)  # kappa / (s sigma), s = sigma = e^-3
+            return dict(summed, log_scale=summed["log_scale"] * factor), norms
+
+        monkeypatch.setattr(local, "clipped_sum", scaled_after_the_clip)
+    mechanism = dp_optimisation_mechanism(d, state)
+    result = audit(mechanism, *curvature_pair(d), jax.random.key(14), DELTA, num_runs=RUNS)
+    check("dp_optimisation", f"log-scale block, add/remove, bug: {bug}", result, claim, expect_exceeds=bug != "none")
+
+
 @pytest.mark.slow
 def test_dp_optimisation_substitute_audit_passes():
     d, state, claim = dp_optimisation_setup("substitute")
@@ -299,8 +338,6 @@ def test_full_rank_parameter_perturbation_audit_off_the_diagonal(bug, monkeypatc
     """The full-rank release where only the off-diagonal of ``eta2`` tells the neighbours apart: the symmetric
     noise there (std ``sigma C / sqrt 2``, the isometric coordinates of the Frobenius clip) must hide them, and
     ``eta2``'s noise cut tenfold must show (the ``eta1``-only audit above cannot see ``eta2``'s noise)."""
-    from numpyro_dppvi.pvi import update_perturbation
-
     d, state, claim = update_setup("parameter_perturbation", None, noise_multiplier=UPDATE_SIGMA, family="full_rank")
     if bug != "none":
         honest = update_perturbation.add_frobenius_symmetric_noise
@@ -330,6 +367,74 @@ def test_virtual_clients_audit(bug):
     rule = dataclasses.replace(d.rule, clip=None) if bug == "clip skipped" else None
     result = audit(update_mechanism(d, state, rule), *update_pair(d), jax.random.key(40), DELTA, num_runs=RUNS)
     check("virtual_clients", f"substitute, bug: {bug}", result, claim, expect_exceeds=bug != "none")
+
+
+# A public q away from 0 (mean 20, precision 100): a virtual client's change is clipped and released centred on
+# q's mean, (Delta eta1 + 2 Delta eta2 m, Delta eta2) (update_perturbation.centre). A larger step (sgd 0.1) gives
+# the planted row a precision change the centring amplifies by 2m: the row chosen in ``centred_pair`` changes the
+# precision and leaves eta1 alone, so that its natural change (norm ~0.3) is inside the clip and its centred change
+# (norm ~11) is not.
+CENTRED_MEAN = 20.0
+CENTRED_Q = Gaussian(jnp.full(2, 100.0 * CENTRED_MEAN), jnp.full(2, -50.0))
+
+
+@functools.lru_cache
+def centred_setup():
+    privacy = Privacy(noise_multiplier=UPDATE_SIGMA, clip=CLIP, delta=DELTA, neighbouring="substitute")
+    d = dppvi.DPPVI(linreg, method="virtual_clients", shards=3, privacy=privacy, local_steps=5, rounds=1,
+                    num_samples=4, optimizer=optax.sgd(0.1))
+    state = d.init(jax.random.key(0), [planted_client(6)])
+    return d, state, ledger_epsilon(privacy, [[d.plan.event(0, 1)]])
+
+
+def centred_pair(d, state):
+    """The planted row ``x = e_1`` with the ``y`` whose unclipped natural change has ``Delta eta1 = 0`` (the change
+    is affine in ``y``: antithetic draws cancel ``y``'s part of the log-scale gradient; solved from ``y = 0`` and
+    ``y = m``), against the same row replaced by ``x = 0, y = 0`` (no change)."""
+    arrays, mask = tuple(a[0] for a in d.data), d.mask[0]
+    where = tuple(int(i[0]) for i in np.nonzero(np.asarray(arrays[0][..., 0]) == 1.0))
+    unclipped = dataclasses.replace(d.rule, clip=1e6)
+    m = factors.to_loc_scale(CENTRED_Q)[0]
+
+    def natural_eta1(y_value):
+        x, y = arrays
+        summed, _ = unclipped.contribution(CENTRED_Q, CENTRED_Q, (x, y.at[where].set(y_value)), mask,
+                                           jax.random.key(1), one_client(state))
+        return unclipped.from_release(CENTRED_Q, summed)
+
+    at0, at10 = natural_eta1(0.0), natural_eta1(CENTRED_MEAN)
+    y_star = float(-at0.eta1[0] * CENTRED_MEAN / (at10.eta1[0] - at0.eta1[0]))
+    natural = natural_eta1(y_star)
+    centred = update_perturbation.centre(natural, m)
+    assert abs(float(natural.eta1[0])) < 0.05 and float(jnp.linalg.norm(flat(natural))) < CLIP, natural
+    assert float(jnp.linalg.norm(flat(centred))) > 4 * CLIP, centred  # what the centring amplifies
+    x, y = arrays
+    return (x, y.at[where].set(y_star)), (x.at[where].set(0.0), y.at[where].set(0.0))
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("bug", ["none", "clipped before centring"])
+def test_virtual_clients_audit_of_the_centred_release(bug, monkeypatch):
+    """Virtual clients release their clipped changes centred on ``q``'s public mean (issue 23): the audit observes
+    the released vector itself (the proposal's change, centred again: a public bijection) at ``m = 20``, on a
+    substitution that moves only the precision. The clip must act on the centred change: clipping the natural
+    change and centring it after lets the row move the release by ``~2 m`` times its precision change."""
+    d, state, claim = centred_setup()
+    pair = centred_pair(d, state)
+    m, centre = factors.to_loc_scale(CENTRED_Q)[0], update_perturbation.centre
+    if bug != "none":
+        honest_clip = update_perturbation.clip_change
+        monkeypatch.setattr(update_perturbation, "centre", lambda change, mean: change)
+        monkeypatch.setattr(update_perturbation, "clip_change", lambda change, clip: centre(honest_clip(change, clip), m))
+    cs, n = one_client(state), d.sizes[0]
+
+    def mechanism(key, arrays):
+        proposal, _, _ = d.rule.update(CENTRED_Q, CENTRED_Q, arrays, d.mask[0], n, key, cs)
+        return flat(centre(factors.divide(proposal, CENTRED_Q), m))
+
+    result = audit(mechanism, *pair, jax.random.key(41), DELTA, num_runs=RUNS)
+    check("virtual_clients", f"centred on m = {CENTRED_MEAN:g}, substitute, bug: {bug}", result, claim,
+          expect_exceeds=bug != "none")
 
 
 def aggregate_mechanism(d, state, noise_scale=1.0, broken=None):
