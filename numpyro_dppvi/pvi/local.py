@@ -467,15 +467,11 @@ class DPOptimisation(NonPrivate):
         return grads, loss, client_state
 
     def update(self, q, cavity, arrays, mask, n, key, client_state):
-        trace = self.trace_answer
+        trace = self.trace_answer  # PrivateNewton steps only: an optax step's answer is its (tail-averaged) iterate
 
         def gradient_fn(p, k, t, cs):
-            if not trace:
-                grads, loss, cs = self.private_step(p, k, arrays, mask, n, cavity, cs)
-                return grads, (loss, ()), cs
-            draw_sums, eps, cs = self.released_draw_sums(p, k, arrays, mask, cs)
-            grads, loss = self.gradients(p, eps, draw_sums, n, cavity)
-            return grads, (loss, noise_aware.factor_estimate(p, eps, draw_sums)), cs
+            grads, loss, cs = self.private_step(p, k, arrays, mask, n, cavity, cs)
+            return grads, (loss, ()), cs
 
         if isinstance(self.optimizer, PrivateNewton):
             iterate, (losses, estimates), client_state = self.newton_steps(q, cavity, arrays, mask, n, key,
