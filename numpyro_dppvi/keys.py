@@ -23,7 +23,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from .program_cache import to_device
+from .program_cache import committed, to_device
 
 #: ``fold_in`` tags of the secrets derived from a fit's key (distinct from any round index).
 SHARD_HASH_TAG = 0x53484152  # "SHAR"
@@ -58,7 +58,8 @@ def resolve(rng_key) -> tuple[jax.Array, str]:
 
 def derived_bytes(data, tag: int, num_bytes: int = 32) -> bytes:
     """``num_bytes`` secret bytes for one purpose (``tag``), derived from the fit's key data."""
-    key = jax.random.fold_in(jax.random.wrap_key_data(to_device(data, np.uint32)), tag)
+    # committed, as a round's state is: one program whether the key comes from a state or a checkpoint
+    key = jax.random.fold_in(jax.random.wrap_key_data(committed(to_device(data, np.uint32))), tag)
     words = jax.random.bits(key, (-(-num_bytes // 4),), dtype=jnp.uint32)
     return np.asarray(words).tobytes()[:num_bytes]
 

@@ -47,6 +47,13 @@ def to_device(x, dtype=None) -> jax.Array:
     return jax.device_put(np.asarray(x) if dtype is None else np.asarray(x, dtype))
 
 
+def committed(tree):
+    """``tree`` committed to the default device (no copy for arrays already there): a jitted program's outputs are
+    committed when an input is, and JAX compiles a program once for committed and once for uncommitted arguments,
+    so a state read from a checkpoint and one a round returned must be alike."""
+    return jax.device_put(tree, jax.devices()[0])
+
+
 def cached(key: tuple, build: Callable[[], Callable]) -> Callable:
     """The program stored under ``key`` (compared by :func:`~numpyro_dppvi.program_key.structural_key`), built (and
     stored) on first use."""
@@ -65,5 +72,10 @@ def cached(key: tuple, build: Callable[[], Callable]) -> Callable:
 
 def clear() -> None:
     """Drop every stored program and traced model: the next fit traces and compiles afresh. For what a key cannot
-    see, such as a library function patched at run time (``monkeypatch.setattr(jax.random, "normal", ...)``)."""
+    see, such as a library function patched at run time (``monkeypatch.setattr(jax.random, "normal", ...)``). The
+    programs kept across processes (:class:`~numpyro_dppvi.persistent_cache.ExportedProgram`) are not served
+    either."""
+    from .persistent_cache import forget_exported_programs  # it builds on this module
+
     _PROGRAMS.clear()
+    forget_exported_programs()

@@ -4,7 +4,7 @@ different whenever something a traced program reads differs."""
 import numpy as np
 import optax
 
-from numpyro_dppvi.program_key import MAX_ARRAY_BYTES, Identity, structural_key
+from numpyro_dppvi.program_key import MAX_ARRAY_BYTES, Identity, persistent_digest, structural_key
 
 LIMIT = 3
 
@@ -63,3 +63,71 @@ def test_a_function_with_an_empty_cell_counts_by_identity():
         return key, inner
     key, inner = outer()
     assert isinstance(key, Identity) and key.obj is inner
+
+
+# --------------------------------------------------------------------------- across processes (persistent_digest)
+
+_DIGEST_IN_A_NEW_PROCESS = """
+import importlib, sys
+sys.path.insert(0, sys.argv[1])
+import optax
+from numpyro_dppvi.program_key import persistent_digest
+here = importlib.import_module(sys.argv[2])  # under this test module's name: a function's module is in its digest
+closure_over, recursive = here.closure_over, here.recursive
+print(persistent_digest((optax.adam(1e-2), closure_over(2.0), recursive, {"b": 1, "a": (1.5, None)})))
+"""
+
+
+def test_the_persistent_digest_is_equal_where_the_key_is_and_the_same_in_another_process():
+    import os
+    import subprocess
+    import sys
+
+    digest = lambda *objects: persistent_digest(objects)
+    assert digest(optax.adam(1e-2)) == digest(optax.adam(1e-2))
+    assert digest(optax.adam(1e-2)) != digest(optax.adam(1e-3))
+    assert digest(optax.adam(1e-2)) != digest(optax.sgd(1e-2))
+    assert digest(closure_over(2.0)) != digest(closure_over(3.0))
+    assert digest(closure_over(2)) != digest(closure_over(2.0))
+    assert digest(closure_over(np.arange(4.0))) != digest(closure_over(np.arange(4.0) + 1))
+    before = digest(recursive)
+    globals()["LIMIT"] = 4
+    try:
+        assert digest(recursive) != before
+    finally:
+        globals()["LIMIT"] = 3
+    root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+    expected = digest(optax.adam(1e-2), closure_over(2.0), recursive, {"a": (1.5, None), "b": 1})
+    for seed in ("1", "2"):  # str hashes differ between these processes: the digest must not use hash()
+        run = subprocess.run([sys.executable, "-c", _DIGEST_IN_A_NEW_PROCESS, root, __name__], check=True, capture_output=True,
+                             text=True, env=dict(os.environ, PYTHONHASHSEED=seed, JAX_PLATFORMS="cpu"))
+        assert run.stdout.strip() == expected
+
+
+class Unknown:
+    pass
+
+
+def test_what_the_digest_can_only_know_by_identity_has_none():
+    assert persistent_digest(closure_over(Unknown())) is None
+    assert persistent_digest(closure_over(np.zeros(MAX_ARRAY_BYTES // 8 + 1))) is None
+    assert persistent_digest(closure_over(Unknown)) is not None  # a class of a file: by the file's hash
+
+
+def test_a_class_of_a_user_file_is_named_by_the_file_content(tmp_path, monkeypatch):
+    import importlib
+    import sys
+
+    from numpyro_dppvi import program_key
+
+    module = tmp_path / "user_prior.py"
+    monkeypatch.syspath_prepend(str(tmp_path))
+    digests = []
+    for body in ("return 1.0", "return 2.0"):
+        module.write_text(f"class Prior:\n    def scale(self):\n        {body}\n")
+        sys.modules.pop("user_prior", None)
+        program_key._module_token.cache_clear()
+        digests.append(persistent_digest(closure_over(importlib.import_module("user_prior").Prior)))
+    sys.modules.pop("user_prior", None)
+    program_key._module_token.cache_clear()
+    assert None not in digests and digests[0] != digests[1]

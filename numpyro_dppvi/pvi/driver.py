@@ -33,7 +33,7 @@ from ..optim import Newton, PrivateNewton
 from ..privacy import Privacy
 from ..privacy.noise import float32_at_least
 from ..privacy.sizes import declared_sizes, public_client_sizes
-from ..program_cache import cached, to_device
+from ..program_cache import cached, committed, to_device
 from ..results import DPPVIResult
 from . import noise_aware, release_noise
 from . import plan as plan_module
@@ -616,6 +616,7 @@ class DPPVI:
                 if ledger is None:
                     raise ValueError("resuming a private fit needs its ledger so spent budget is kept")
                 self.ledger = ledger
+        state = committed(state)  # as every round's output is: eager work on the state compiles one program for both
         history = list(history or [])
         private_history = list(private_history or [])
         eval_arrays = None if eval_data is None else self.adapter.validate_data(eval_data, "eval_data")

@@ -26,6 +26,7 @@ from ..model_adapter import ModelAdapter
 from ..optim import Newton
 from ..privacy.adaptive_clip import adaptive_clip_init
 from ..privacy.noise import float32_at_least
+from ..persistent_cache import ExportedProgram
 from ..program_cache import cached, shapes, to_device
 from . import server
 from .defaults import UPDATE_METHODS
@@ -85,8 +86,10 @@ def round_step(spec: RoundSpec, state: PVIState, data, mask, sizes, limits, serv
 
 
 def round_program(spec: RoundSpec) -> Callable:
-    """``jit(round)`` for ``spec``, built once per spec in the process (:mod:`numpyro_dppvi.program_cache`)."""
-    return cached(("pvi-round", spec), lambda: jax.jit(functools.partial(round_step, spec)))
+    """``jit(round)`` for ``spec``, built once per spec in the process (:mod:`numpyro_dppvi.program_cache`) and kept
+    across processes when the persistent cache is on (:class:`~numpyro_dppvi.persistent_cache.ExportedProgram`)."""
+    key = ("pvi-round", spec)
+    return cached(key, lambda: ExportedProgram(jax.jit(functools.partial(round_step, spec)), key, "round_step"))
 
 
 def initial_state(rule, server_step, num_clients, data, mask, key_data, prior, server_mask, extras) -> PVIState:
@@ -141,7 +144,13 @@ def model_adapter(model, clients) -> ModelAdapter:
     data of the same row shapes and dtypes (:mod:`numpyro_dppvi.program_cache`)."""
     rows = trace_rows(clients)
     key = ("adapter", model, shapes(tuple(a[:1] for a in rows)), getattr(model, "_dppvi_privacy_plate", None))
-    return cached(key, lambda: ModelAdapter(model, rows))
+
+    def build():
+        adapter = ModelAdapter(model, rows)
+        adapter.persistent_key = key  # what it was built from, for the programs' persistent digest
+        return adapter
+
+    return cached(key, build)
 
 
 
