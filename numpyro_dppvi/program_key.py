@@ -219,8 +219,9 @@ def _feed_constant(const, out) -> None:
 
 
 def _type_token(cls: type) -> str:
-    """A class by where its code comes from: ``module.qualname@`` the module's token."""
-    return f"{cls.__module__}.{cls.__qualname__}@{_module_token(cls.__module__)}"
+    """A class by where its code and its bases' code come from: ``module.qualname@`` the module's token, for each
+    class of its method resolution order (a base class in another file may change while the class's file does not)."""
+    return " < ".join(f"{c.__module__}.{c.__qualname__}@{_module_token(c.__module__)}" for c in cls.__mro__)
 
 
 @functools.lru_cache(maxsize=None)

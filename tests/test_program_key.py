@@ -114,20 +114,23 @@ def test_what_the_digest_can_only_know_by_identity_has_none():
     assert persistent_digest(closure_over(Unknown)) is not None  # a class of a file: by the file's hash
 
 
-def test_a_class_of_a_user_file_is_named_by_the_file_content(tmp_path, monkeypatch):
+def test_a_class_of_a_user_file_is_named_by_its_file_and_its_bases_files(tmp_path, monkeypatch):
     import importlib
     import sys
 
     from numpyro_dppvi import program_key
 
-    module = tmp_path / "user_prior.py"
     monkeypatch.syspath_prepend(str(tmp_path))
     digests = []
-    for body in ("return 1.0", "return 2.0"):
-        module.write_text(f"class Prior:\n    def scale(self):\n        {body}\n")
-        sys.modules.pop("user_prior", None)
+    for base, body in (("return 1.0", "return 1.0"), ("return 1.0", "return 2.0"), ("return 3.0", "return 2.0")):
+        (tmp_path / "user_base.py").write_text(f"class Base:\n    def scale(self):\n        {base}\n")
+        (tmp_path / "user_prior.py").write_text(
+            f"from user_base import Base\n\nclass Prior(Base):\n    def shift(self):\n        {body}\n")
+        for name in ("user_prior", "user_base"):
+            sys.modules.pop(name, None)
         program_key._module_token.cache_clear()
         digests.append(persistent_digest(closure_over(importlib.import_module("user_prior").Prior)))
-    sys.modules.pop("user_prior", None)
+    for name in ("user_prior", "user_base"):
+        sys.modules.pop(name, None)
     program_key._module_token.cache_clear()
-    assert None not in digests and digests[0] != digests[1]
+    assert None not in digests and len(set(digests)) == 3  # the class's file, then its base's file, changed
