@@ -194,7 +194,9 @@ def linear(x, y=None):
 def linear_data(n=900, correlation=0.0, seed=7):
     rng = np.random.default_rng(seed)
     cov = correlation * np.ones((LINEAR_DIM, LINEAR_DIM)) + (1.0 - correlation) * np.eye(LINEAR_DIM)
-    x = rng.multivariate_normal(np.zeros(LINEAR_DIM), cov, size=n).astype(np.float32)
+    # Cholesky, not numpy's default SVD: the SVD's basis of a repeated eigenvalue's space (here D - 1 of them)
+    # differs between LAPACK builds, and with it the data set
+    x = rng.multivariate_normal(np.zeros(LINEAR_DIM), cov, size=n, method="cholesky").astype(np.float32)
     y = (x @ rng.normal(size=LINEAR_DIM) + rng.normal(size=n)).astype(np.float32)
     return x, y
 

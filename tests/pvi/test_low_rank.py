@@ -104,7 +104,8 @@ def test_rank_d_is_the_full_rank_fit(schedule):
 def test_rank_one_gets_the_correlated_sds(schedule, sd_tolerance):
     """Covariates correlated 0.95: mean-field's sds are about a third of the exact ones; rank 1 gets them
     within 5% (synchronous) or 20% (sequential, the default) and the means within 0.02 sd. Measured: sds
-    0.997-1.008x and 0.93-1.15x, means under 1e-3 sd off, the same for keys 0-2 (a Gaussian likelihood makes the
+    0.996-1.006x in both (on an earlier draw of the data 0.997-1.008x and 0.93-1.15x), means under 1e-4 sd off,
+    the same for keys 0-2 (a Gaussian likelihood makes the
     Newton steps' expectations exact whatever the draws). The curvature of 100 sampled rows is diagonal plus
     rank one only approximately, so the family's fixed point is not the exact posterior: the sd tolerances are
     that approximation's measured size with room, not Monte Carlo error; the mean's covers float32 rounding
@@ -162,10 +163,11 @@ def test_a_low_rank_committee_combines_the_clients_directions(prior):
     by every ``V_k`` and truncated to rank ``r``. At ``r = D`` it is the exact posterior of the conjugate
     regression (a committee with ``prior="same"`` or ``"split"`` is exact for a Gaussian likelihood): measured
     sds 1.000, means 1e-4 sd off. At ``r = 1`` on covariates correlated 0.95 the sds are within 2% (measured
-    0.997-1.008; mean-field's committee 0.27-0.33) and the means within 0.3 sd (measured 0.20 / 0.26 for
-    "same" / "split": each client's mean is kept with its rank-1 precision, so the weights of the product are
+    0.994-1.006 on this data set; 2.7% off at worst over eight draws of the data, seeds 8-15; mean-field's committee
+    0.27-0.33) and the means within 0.4 sd (measured 0.29 / 0.31 for "same" / "split" on this data set, 0.07-0.36
+    over the eight draws: each client's mean is kept with its rank-1 precision, so the weights of the product are
     approximate; mean-field's committee is 2.1 / 1.4 sd off). Whole-client Newton steps: no Monte Carlo error
-    in a Gaussian likelihood's expectations."""
+    in a Gaussian likelihood's expectations: the one source of variation is the draw of the data."""
     data = correlated_data()
     clients = split(data, num_clients=4)
     exact_mean, exact_cov = (np.asarray(x, np.float64) for x in linear_exact(data))
@@ -181,7 +183,7 @@ def test_a_low_rank_committee_combines_the_clients_directions(prior):
     mean, cov = dense_moments(one)
     assert factors.rank_of(one.q) == 1
     np.testing.assert_allclose(np.sqrt(np.diag(cov)) / exact_sd, 1.0, atol=0.02)
-    assert np.max(np.abs(mean - exact_mean) / exact_sd) < 0.3
+    assert np.max(np.abs(mean - exact_mean) / exact_sd) < 0.4
 
 
 @pytest.mark.parametrize("schedule", ["sequential", "synchronous", "asynchronous"])
@@ -252,7 +254,8 @@ def test_low_rank_per_example_gradients_are_autodiff():
 def test_private_global_vi_with_a_low_rank_q_gets_most_of_the_correlation():
     """DP-SGD on the pooled data (noise multiplier 1e-3: negligible) with a rank-1 q on the 0.95-correlated
     regression: sds 0.7-1.25 of the exact posterior's (mean-field: at most 0.42) and the mean within 0.25 sd.
-    Measured over keys 0-2 at 4000 steps: 0.74-0.90 (full-rank 0.89-1.01), means within 0.17 sd; the rank-1
+    Measured over keys 0-2 at 4000 steps: 0.89-0.96, means within 0.09 sd (on an earlier draw of the data 0.74-0.90,
+    full-rank 0.89-1.01, means within 0.17 sd); the rank-1
     parameters ``(loc, log s, W)`` converge more slowly than the Cholesky factor (12000 steps: 0.90-1.01). The
     event's noise coordinates are the pair release's, ``2 P D`` (``objectives.pair_release_dimension``)."""
     import optax
@@ -306,11 +309,11 @@ def test_adult_at_epsilon_one_low_rank_matches_mean_field(adult):
 def test_private_update_perturbation_with_negligible_noise(method, settings, sd_tolerance, mean_tolerance):
     """Update perturbation and client-level DP with a rank-1 q and negligible noise (sigma C = 1e-3): the releases
     are the changes' public coordinates, completed at the server. Measured (sds / exact, worst mean error in sd):
-    parameter perturbation 0.997-1.008 / 0.001 (each client's release completed with its own public factor: the
-    non-private rank-1 fixed point); local averaging over 3 shards 1.03-1.05 / 0.32 (three rank-1 approximations
+    parameter perturbation 0.996-1.006 / 0.003 (each client's release completed with its own public factor: the
+    non-private rank-1 fixed point); local averaging over 3 shards 1.015-1.069 / 0.46 (three rank-1 approximations
     whose average is not rank 1; full-rank local averaging is exact); through a trusted aggregator, which releases
-    only the sum, completed once, 1.005-1.027 / 0.19 (parameter perturbation) and 1.03-1.07 / 0.54 (local
-    averaging); client-level DP 1.003-1.026 / 0.18. The tolerances are these with room (deterministic here: a
+    only the sum, completed once, 0.999-1.019 / 0.14 (parameter perturbation) and 1.019-1.085 / 0.59 (local
+    averaging); client-level DP 0.999-1.020 / 0.14. The tolerances are these with room (deterministic here: a
     Gaussian likelihood makes the Newton steps exact whatever the draws). The ledger's events count the
     release's noise coordinates, ``2 D + r (r + 1) / 2 + (D - r) r``."""
     data = correlated_data()
