@@ -49,7 +49,7 @@ def logistic(x, y=None):
 def data(seed: int, n: int = 2000, dim: int = 3, correlation: float = 0.9, num_clients: int = 10):
     rng = np.random.default_rng(seed)
     cov = correlation * np.ones((dim, dim)) + (1 - correlation) * np.eye(dim)
-    x = rng.multivariate_normal(np.zeros(dim), cov, size=n).astype(np.float32)
+    x = rng.multivariate_normal(np.zeros(dim), cov, size=n, method="cholesky").astype(np.float32)  # unique, unlike the SVD
     y = (rng.uniform(size=n) < 1 / (1 + np.exp(-x @ rng.normal(size=dim)))).astype(np.float32)
     return [(x[i::num_clients], y[i::num_clients]) for i in range(num_clients)]
 
