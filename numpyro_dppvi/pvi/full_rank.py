@@ -55,6 +55,29 @@ from ..optim import Newton
 from .local import shuffled_order, tail_length, take_rows, window_batch
 
 
+#: jaxlib's ``kMinWorkPerTask`` (``jaxlib/cpu/lapack_kernels.cc``): a batched LAPACK call whose ``batch x cost``
+#: (cost per matrix at most ``D^3`` for the Cholesky, LU and triangular solves used here) reaches it is split over the
+#: intra-op thread pool, each call blocking a worker until its pieces are done.
+LAPACK_PARALLEL_WORK = 200_000
+
+
+def lapack_safe_chunk(dim: int, outer: int = 1) -> int:
+    """How many ``[D, D]`` problems one batched LAPACK call may hold, inside a ``vmap`` of width ``outer``, and
+    still run on the calling thread: the largest ``k >= 1`` with ``outer k D^3 < LAPACK_PARALLEL_WORK``.
+
+    Why: jaxlib 0.10's CPU LAPACK kernels split a large batch over the intra-op pool and wait for the pieces in
+    the worker that runs them; two such calls that XLA runs concurrently can each hold a worker of a small pool
+    (2 on a 2-core machine) and wait for pieces no free worker is left to run. Measured: the full-rank
+    virtual-clients round at 10 clients x 1,000 one-record shards (``D = 6``) hung in 3 of 3 runs, every thread
+    idle in ``jax::ParallelBatchMap``'s ``BlockingCounter::Wait`` (gdb); a ``lax.scan`` of an independent batched
+    Cholesky and inverse of 5,000 ``6 x 6`` matrices hung in 2 of 3 runs, and never with one of the two. Shard
+    rules map their shards in chunks of this size (:func:`~numpyro_dppvi.pvi.update_perturbation.map_shards`), so
+    that the calls whose batch grows with the data stay on the calling thread. The batch of a ``vmap`` over
+    clients (``outer``) is not chunked: at ``clients x D^3`` of 200,000 or more (e.g. 10 clients at ``D >= 28``)
+    such calls still go to the pool."""
+    return max(1, (LAPACK_PARALLEL_WORK - 1) // (max(1, int(outer)) * int(dim) ** 3))
+
+
 def expected_derivatives(f: Callable, u: jax.Array) -> tuple[jax.Array, jax.Array, jax.Array]:
     """``(mean value, E[grad f], E[grad^2 f])`` over the draws ``u`` (``[S, D]``). Draws whose gradient
     or Hessian are not finite are left out (their values still count: a non-finite value makes every

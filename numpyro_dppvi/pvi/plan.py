@@ -30,7 +30,7 @@ from ..persistent_cache import ExportedProgram
 from ..program_cache import cached, shapes, to_device
 from . import server
 from .defaults import UPDATE_METHODS
-from .full_rank import NonPrivateFullRank, ServerFactorStepFullRank
+from .full_rank import NonPrivateFullRank, ServerFactorStepFullRank, lapack_safe_chunk
 from .local import DPOptimisation, NonPrivate, ServerFactorStep
 from .low_rank import NonPrivateLowRank, ServerFactorStepLowRank
 from .privacy_plan import client_level_plan, dp_sgd_plan, shard_update_plan
@@ -178,7 +178,9 @@ def privacy_plan_and_rule(driver, sizes, dimension: int, calibrate: bool = True)
         cls = VirtualClients if driver.method == "virtual_clients" else LocalAveraging
         rule = cls(a.log_lik_rows, a.dim, driver.optimizer, driver.local_steps, driver.num_samples,
                    clip=None if p is None else p.clip, damping=driver.damping, invalid=driver.invalid,
-                   precision_floor=driver.precision_floor, family=driver.family, rank=driver.rank or 0)
+                   precision_floor=driver.precision_floor, family=driver.family, rank=driver.rank or 0,
+                   shard_chunk=lapack_safe_chunk(a.dim, driver.num_clients)
+                   if driver.family in ("full_rank", "low_rank") else None)
     else:
         if driver.privacy_unit == "client":
             plan = client_level_plan(p, driver.num_clients, driver.planned_rounds, driver.client_rate, dimension,

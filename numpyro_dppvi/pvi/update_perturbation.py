@@ -191,6 +191,9 @@ class ShardRule:
     precision_floor: float = 1e-3
     family: str = "mean_field"  # "full_rank": [D, D] factors, shard proposals by Newton steps (fit_shard)
     rank: int = 0  # family "low_rank": the rank r of the public basis the releases are written in
+    #: Shards per chunk of :func:`map_shards` (None: one ``vmap`` over every shard); the driver sets
+    #: :func:`~numpyro_dppvi.pvi.full_rank.lapack_safe_chunk` for the dense families.
+    shard_chunk: int | None = None
 
     uses_client_cavity = True
     #: Antithetic draws in the shards' local steps (:func:`~numpyro_dppvi.objectives.standard_draws`).
@@ -261,9 +264,9 @@ class LocalAveraging(ShardRule):
 
     def contribution(self, q, cavity, arrays, mask, key, client_state):
         valid_shard = jnp.any(mask, axis=-1)
-        q_k, opt = jax.vmap(self.shard_update, in_axes=(None, None, None, 0, 0, 0, 0))(
-            q, cavity, client_state["num_shards"], arrays, mask, client_state["opt"],
-            self.shard_keys(key, client_state))
+        num_shards = client_state["num_shards"]
+        q_k, opt = map_shards(lambda a, mk, o, k: self.shard_update(q, cavity, num_shards, a, mk, o, k),
+                              (arrays, mask, client_state["opt"], self.shard_keys(key, client_state)), self.shard_chunk)
         deltas = jax.vmap(lambda a: clip_change(change_of(q, cavity, a), self.clip))(q_k)
         opt = jax.tree.map(lambda new, old: jnp.where(_expand(valid_shard, new), new, old), opt, client_state["opt"])
         return _masked_sum(deltas, valid_shard), dict(client_state, opt=opt)
@@ -310,8 +313,9 @@ class VirtualClients(ShardRule):
         mean-field change is clipped, summed and released centred on ``q``'s public mean (:func:`centre`); the
         virtual factors take it back in natural parameters (:meth:`from_release`)."""
         valid_shard = jnp.any(mask, axis=-1)
-        q_k, cavity_ok = jax.vmap(self.shard_update, in_axes=(None, 0, 0, 0, 0))(
-            q, client_state["factors"], arrays, mask, self.shard_keys(key, client_state))
+        q_k, cavity_ok = map_shards(lambda t, a, mk, k: self.shard_update(q, t, a, mk, k),
+                                    (client_state["factors"], arrays, mask, self.shard_keys(key, client_state)),
+                                    self.shard_chunk)
         use = valid_shard & cavity_ok
         centre_at = self.release_centre(q)
         in_release = (lambda d: d) if centre_at is None else (lambda d: centre(d, centre_at))
@@ -327,6 +331,23 @@ class VirtualClients(ShardRule):
         """Eq. (1) of :mod:`.release_noise`: the factor took ``rho xi_m`` when the update was accepted, released
         centred on ``q``'s mean."""
         return release_noise.carried(client_state, self.damping, accepted, self.release_centre(q))
+
+
+def map_shards(fn: Callable, xs: tuple, chunk: int | None):
+    """``vmap(fn)(*xs)`` over the leading (shard) axis of ``xs``; with ``chunk``, as a sequential ``lax.map``
+    over equal chunks of at most ``chunk`` shards (each chunk a ``vmap``), so that no batched LAPACK call of ``fn``
+    holds more than ``chunk`` problems (:func:`~numpyro_dppvi.pvi.full_rank.lapack_safe_chunk`). The shards are
+    padded to a whole number of chunks with copies of the first (their results are dropped), so that one chunk's
+    program is compiled, not a second one for a remainder. The same values either way, up to the order of
+    floating-point work."""
+    count = jax.tree.leaves(xs)[0].shape[0]
+    if chunk is None or chunk >= count:
+        return jax.vmap(fn)(*xs)
+    chunks = -(-count // int(chunk))
+    size = -(-count // chunks)
+    padded = jax.tree.map(lambda a: jnp.concatenate([a, a[jnp.zeros(chunks * size - count, int)]]), xs)
+    out = jax.lax.map(lambda x: fn(*x), padded, batch_size=size)
+    return jax.tree.map(lambda a: a[:count], out)
 
 
 def fit_shard(rule, q, cavity, arrays, mask, n_eff, key, opt_state=None):

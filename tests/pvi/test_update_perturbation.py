@@ -232,3 +232,81 @@ def test_update_perturbation_argument_errors():
         dppvi.DPPVI(linreg, privacy_unit="client", privacy=Privacy(noise_multiplier=1.0), schedule="asynchronous")
     with pytest.raises(ValueError, match="invalid-update rule"):
         dppvi.DPPVI(linreg, method="local_averaging", shards=2, invalid="flip")
+
+
+LAPACK_PRIMITIVES = {"cholesky", "lu", "triangular_solve", "eigh", "qr", "geqrf", "householder_product", "svd"}
+
+
+def lapack_batches(jaxpr) -> list[tuple[str, tuple, int]]:
+    """``(primitive, operand shape, batch x n^3)`` of every LAPACK-backed equation of ``jaxpr``, sub-programs
+    (scan, while, cond, pjit) included."""
+    from jax.extend import core
+
+    out = []
+    for eqn in jaxpr.eqns:
+        if eqn.primitive.name in LAPACK_PRIMITIVES:
+            shape = eqn.invars[0].aval.shape
+            out.append((eqn.primitive.name, shape, int(np.prod(shape[:-2])) * shape[-1] ** 3))
+        for param in eqn.params.values():
+            for sub in param if isinstance(param, (list, tuple)) else [param]:
+                if isinstance(sub, core.ClosedJaxpr):
+                    out += lapack_batches(sub.jaxpr)
+                elif isinstance(sub, core.Jaxpr):
+                    out += lapack_batches(sub)
+    return out
+
+
+def test_lapack_safe_chunk_is_the_largest_batch_under_jaxlibs_parallel_threshold():
+    from numpyro_dppvi.pvi.full_rank import LAPACK_PARALLEL_WORK, lapack_safe_chunk
+
+    for dim, outer in [(6, 10), (6, 1), (3, 100), (20, 10), (40, 10)]:
+        k = lapack_safe_chunk(dim, outer)
+        assert k >= 1
+        if outer * dim**3 < LAPACK_PARALLEL_WORK:
+            assert outer * k * dim**3 < LAPACK_PARALLEL_WORK <= outer * (k + 1) * dim**3
+        else:  # the vmap over clients alone reaches it: chunks of one shard, the least the shards can do
+            assert k == 1
+
+
+def test_map_shards_equals_one_vmap_whatever_the_chunk():
+    """Chunks that do not divide the shards (7 shards in chunks of at most 3: three chunks of 3, one padded
+    copy dropped) give the same values as one vmap, keys included."""
+    from numpyro_dppvi.pvi.update_perturbation import map_shards
+
+    def fn(a, k):
+        return {"x": jnp.linalg.cholesky(a @ a.T + jnp.eye(3)), "draw": jax.random.normal(k, (2,))}
+
+    a = jax.random.normal(jax.random.key(0), (7, 3, 3))
+    keys = jax.vmap(lambda i: jax.random.fold_in(jax.random.key(1), i))(jnp.arange(7))
+    whole = map_shards(fn, (a, keys), None)
+    for chunk in (1, 3, 7, 100):
+        chunked = map_shards(fn, (a, keys), chunk)
+        assert jax.tree.map(jnp.shape, chunked) == jax.tree.map(jnp.shape, whole)
+        jax.tree.map(lambda u, v: np.testing.assert_allclose(u, v, rtol=1e-6, atol=1e-6), chunked, whole)
+
+
+@pytest.mark.parametrize("method", ["virtual_clients", "local_averaging"])
+def test_dense_shard_rules_keep_every_lapack_batch_on_the_calling_thread(method):
+    """jaxlib 0.10's batched LAPACK kernels split a call whose ``batch x cost`` reaches 200,000 over the intra-op
+    pool and block a worker until the pieces are done; two such calls run concurrently hung the full-rank
+    virtual-clients round (10 clients x 1,000 one-record shards, ``D = 6``: batches of 10,000, every thread
+    idle; pvi.full_rank.lapack_safe_chunk). The round program of both dense shard rules at that size must hold
+    no LAPACK call at or above the threshold (with one ``vmap`` over the shards the largest is 270,000 here,
+    ``D = 3``)."""
+    import functools
+
+    from numpyro_dppvi.pvi.full_rank import LAPACK_PARALLEL_WORK
+    from numpyro_dppvi.pvi.plan import round_step
+
+    clients, _, _ = linreg_clients(n=10000, m=10)  # 1,000 rows a client
+    extra = {"shards": "rows"} if method == "local_averaging" else {}
+    d = dppvi.DPPVI(linreg, method=method, family="full_rank", rounds=2, privacy=Privacy(epsilon=8.0, delta=1e-5),
+                    **extra)
+    state = d.init(jax.random.key(0), clients)
+    jaxpr = jax.make_jaxpr(functools.partial(round_step, d.spec))(state, d.data, d.mask, d.sizes,
+                                                                   d.limits(state, 1), d._server_noise_std)
+    batches = lapack_batches(jaxpr.jaxpr)
+    assert batches, "the full-rank shard updates use LAPACK"
+    assert d.data[0].shape[:2] == (10, 1000)  # 10,000 shards: one vmap would batch 10,000 problems
+    worst = max(batches, key=lambda b: b[2])
+    assert worst[2] < LAPACK_PARALLEL_WORK, worst
