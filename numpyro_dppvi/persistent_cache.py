@@ -83,7 +83,10 @@ def check_private_folder(folder: Path) -> None:
     problems = [_unsafe(folder, uid, sticky_ok=False)] + [_unsafe(p, uid) for p in folder.parents]
     enterable = folder.lstat().st_mode & 0o011
     for entry in folder.iterdir():
-        status = entry.lstat()
+        try:
+            status = entry.lstat()
+        except FileNotFoundError:  # gone since the listing (a writer's temporary file renamed into place): nothing
+            continue               # under that name can be loaded; the name it took is checked when next listed
         if status.st_uid != uid:
             problems.append(f"{entry} belongs to user {status.st_uid}")
         elif enterable and status.st_mode & 0o022:

@@ -467,6 +467,25 @@ def test_the_compilation_cache_refuses_a_folder_another_user_can_write(tmp_path,
     assert jax.config.jax_compilation_cache_dir == previous  # nothing switched on
 
 
+@pytest.mark.skipif(not hasattr(os, "getuid"), reason="POSIX owners and modes")
+def test_the_cache_check_skips_an_entry_gone_since_the_listing(tmp_path, monkeypatch):
+    """Another process (an xdist worker, a second fit) writes a program to a temporary file and renames it into
+    place; listed before and checked after the rename, it used to raise FileNotFoundError (seen in a CI run's
+    ``dppvi run``). A vanished entry is skipped, and an unsafe one listed beside it is still refused."""
+    from numpyro_dppvi import persistent_cache
+
+    folder = tmp_path / "cache"
+    folder.mkdir(mode=0o700)
+    (folder / "kept").write_bytes(b"a program")
+    listing = list(folder.iterdir()) + [folder / "dppvi-program-0123.456.tmp"]
+    monkeypatch.setattr(type(folder), "iterdir", lambda self: iter(listing) if self == folder else iter(()))
+    persistent_cache.check_private_folder(folder)
+    (folder / "kept").chmod(0o666)
+    folder.chmod(0o755)
+    with pytest.raises(PermissionError, match="kept is writable by other users"):
+        persistent_cache.check_private_folder(folder)
+
+
 def test_a_published_private_history_holds_no_round_times(tmp_path):
     """Finding 7. The public knows the published result; a DP-SGD round walks its Poisson batch in as many
     chunks as the batch drawn needs, so per-round times correlated 0.44 with the secret batch sizes. A
