@@ -33,9 +33,9 @@ def fit_dppvi(model, clients, *, method: str = "pvi", schedule: str | None = Non
     client's factor as its releases estimate it, and the result's ``q`` accounts for the uncertainty the privacy
     noise leaves in the fit (:mod:`numpyro_dppvi.pvi.noise_aware`; post-processing of the releases, no privacy
     cost; ``result.q_fitted`` is ``q`` as fitted). ``False`` gives the optax local step and ``q`` as fitted.
-    Private ``method="virtual_clients"`` with a mean-field ``q``, each client releasing its own update (no trusted
-    aggregator, record-level privacy), is noise-aware too: the noise its releases left in ``q``, whose variance is
-    known, is integrated out (:mod:`numpyro_dppvi.pvi.release_noise`; the fit itself is the same).
+    Private ``method="virtual_clients"`` with a mean-field or full-rank ``q``, each client releasing its own update
+    (no trusted aggregator, record-level privacy), is noise-aware too: the noise its releases left in ``q``, whose
+    variance is known, is integrated out (:mod:`numpyro_dppvi.pvi.release_noise`; the fit itself is the same).
 
     Defaults (:data:`METHOD_DEFAULTS`): ``schedule`` sequential for ``"pvi"`` and ``"dp_optimisation"``,
     synchronous otherwise; ``rounds=None``: non-private fits run until ``q`` has converged (checked

@@ -35,6 +35,21 @@ same 20 fits: with them the mean's RMSE was 0.92 against 0.56 and the mean sd 0.
 ``q`` back. A checkpoint written before the centres existed resumes with them at zero, which is exactly (2) for its
 earlier, uncentred releases.
 
+**Full-rank factors** (``family="full_rank"``). A release is centred the same way, ``(Delta eta1 + 2 Delta eta2 m,
+Delta eta2)`` with ``Delta eta2`` the ``[D, D]`` matrix, and its noise is iid ``N(0, s^2)`` on ``eta1`` and symmetric
+on ``eta2`` (``s^2`` on the diagonal, ``s^2 / 2`` off it: ``Cov(xi2_jl, xi2_kl') = s^2 (d_jk d_ll' + d_jl' d_lk) / 2``,
+:func:`~numpyro_dppvi.pvi.update_perturbation.release_change`). The same delta method on ``mu = Lambda^{-1} eta1``
+gives ``d mu = Lambda~^{-1} sum_r rho (xi_1 + 2 xi_2 v_r)``, ``v_r = mu~ - m_r``, and ``Cov(2 xi_2 v) = 2 s^2 (|v|^2 I
++ v v^T)``, so
+
+    Cov[theta] = Lambda~^{-1} + Lambda~^{-1} N Lambda~^{-1},     N = sum_r w_r ((1 + 2 |v_r|^2) I + 2 v_r v_r^T)    (3)
+
+(its diagonal on a diagonal ``eta2`` would be eq. (2)'s ``1 + 4 v_j^2`` only if the off-diagonal noise were absent:
+it is not, and it adds ``2 sum_{l != j} v_l^2``). The client carries ``W``, ``sum_r w_r m_r`` and the matrix ``sum_r
+w_r m_r m_r^T`` (:func:`carried`), from which ``N`` follows for the final ``mu~``. With a full precision, ``Lambda~^{-1}
+e`` is already the linear response of the fixed point to a tilt ``e`` (the Hessian's off-diagonal is in ``q``), which
+eq. (2) lacks.
+
 **What it does not model.** The invalid-update rule's floor changes the noise it fires on (counted:
 ``invalid_updates`` in the history). The virtual factors' answers depend on ``q``, so on earlier noise, through their
 cavities: at the fixed point of mean-field PVI a tilt ``e`` of ``q`` moves the mean by ``H^{-1} e``, ``H`` the full
@@ -67,15 +82,17 @@ KEYS = (KEY,) + CENTRE_KEYS
 def carried(client_state: dict, damping, applied, centre=None) -> dict:
     """The client state with the noise its factor took from this round's release added (eq. 1): weight ``w =
     rho^2 sigma_m^2 C^2`` when the update was ``applied`` (``noise_std = sigma_m C``, public), and ``w m``, ``w
-    m^2`` for the release's ``centre`` ``m`` (None: uncentred). A state without the keys (a checkpoint written
-    before they existed) is left as it is."""
+    m^2`` for the release's ``centre`` ``m`` (None: uncentred; full-rank: ``w m m^T``, eq. 3). A state without the
+    keys (a checkpoint written before they existed) is left as it is."""
     if KEY not in client_state:
         return client_state
     added = jnp.where(applied, jnp.square(damping * client_state["noise_std"]), 0.0)
     out = dict(client_state, **{KEY: client_state[KEY] + added})
     if centre is not None and CENTRE_KEYS[0] in client_state:
         out[CENTRE_KEYS[0]] = client_state[CENTRE_KEYS[0]] + added * centre
-        out[CENTRE_KEYS[1]] = client_state[CENTRE_KEYS[1]] + added * jnp.square(centre)
+        full = client_state[CENTRE_KEYS[1]].ndim == centre.ndim + 1
+        second = jnp.outer(centre, centre) if full else jnp.square(centre)
+        out[CENTRE_KEYS[1]] = client_state[CENTRE_KEYS[1]] + added * second
     return out
 
 
@@ -93,8 +110,30 @@ def mean_noise_variance(mean: jax.Array, client_state: dict) -> jax.Array:
     return weight * (1.0 + 4.0 * jnp.square(mean)) - 8.0 * mean * first + 4.0 * second
 
 
+def mean_noise_covariance(mean: jax.Array, client_state: dict) -> jax.Array:
+    """``N`` of eq. (3) (``[D, D]``), from the carried sums over every client: with ``a = sum_r w_r m_r`` and ``B =
+    sum_r w_r m_r m_r^T``, ``sum_r w_r |v_r|^2 = W |mu|^2 - 2 mu.a + tr B`` and ``sum_r w_r v_r v_r^T = W mu mu^T -
+    mu a^T - a mu^T + B``."""
+    weight = total_variance(client_state)
+    dim = mean.shape[-1]
+    first = jnp.sum(client_state[CENTRE_KEYS[0]], axis=0) if CENTRE_KEYS[0] in client_state else jnp.zeros(dim)
+    second = jnp.sum(client_state[CENTRE_KEYS[1]], axis=0) if CENTRE_KEYS[1] in client_state \
+        else jnp.zeros((dim, dim))
+    spread = weight * jnp.dot(mean, mean) - 2.0 * jnp.dot(mean, first) + jnp.trace(second)
+    outer = weight * jnp.outer(mean, mean) - jnp.outer(mean, first) - jnp.outer(first, mean) + second
+    return (weight + 2.0 * spread) * jnp.eye(dim) + 2.0 * outer
+
+
 def noise_aware_posterior(q: Gaussian, client_state: dict) -> Gaussian:
-    """Eq. (2): ``q``'s mean with every coordinate's variance widened by the noise its releases left in it."""
+    """Eq. (2): ``q``'s mean with every coordinate's variance widened by the noise its releases left in it; for a
+    full-rank ``q``, eq. (3): its covariance widened by ``Lambda~^{-1} N Lambda~^{-1}``."""
+    if factors.is_full_rank(q):
+        mean, precision = factors.mean_and_precision(q)
+        covariance = jnp.linalg.inv(precision)
+        covariance = covariance + covariance @ mean_noise_covariance(mean, client_state) @ covariance
+        widened = jnp.linalg.inv(0.5 * (covariance + covariance.T))
+        widened = 0.5 * (widened + widened.T)
+        return Gaussian(widened @ mean, -0.5 * widened)
     precision = -2.0 * q.eta2
     mean = q.eta1 / precision
     widened = 1.0 / precision + mean_noise_variance(mean, client_state) / jnp.square(precision)

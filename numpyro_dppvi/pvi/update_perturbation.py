@@ -127,17 +127,22 @@ def release_change(key, change: Gaussian, std, basis=None) -> Gaussian:
     return Gaussian(add_gaussian_noise(k1, change.eta1, std), add_frobenius_symmetric_noise(k2, change.eta2, std))
 
 
-def centre(change: Gaussian, mean) -> Gaussian:
-    """A change of a mean-field factor's natural parameters in coordinates centred on the public mean ``m`` of
-    ``q``: ``(Delta eta1 + 2 Delta eta2 * m, Delta eta2)``, the factor's linear term in ``theta - m`` instead of
-    ``theta`` (a change of precision no longer moves ``eta1`` by ``m`` times itself). Linear and invertible
-    (:func:`uncentre`) for a given ``m``."""
-    return Gaussian(change.eta1 + 2.0 * change.eta2 * mean, change.eta2)
+def _times(eta2, mean, full: bool):
+    """``eta2 m``: elementwise for mean-field ``eta2`` (``[..., D]``), matrix-vector for full-rank (``[..., D, D]``)."""
+    return jnp.einsum("...ij,j->...i", eta2, mean) if full else eta2 * mean
 
 
-def uncentre(centred: Gaussian, mean) -> Gaussian:
-    """Inverse of :func:`centre`: ``(a - 2 b * m, b)``."""
-    return Gaussian(centred.eta1 - 2.0 * centred.eta2 * mean, centred.eta2)
+def centre(change: Gaussian, mean, full: bool = False) -> Gaussian:
+    """A change of a factor's natural parameters in coordinates centred on the public mean ``m`` of ``q``:
+    ``(Delta eta1 + 2 Delta eta2 m, Delta eta2)`` (mean-field: elementwise; full-rank: ``Delta eta2`` the
+    ``[D, D]`` matrix), the factor's linear term in ``theta - m`` instead of ``theta`` (a change of precision no
+    longer moves ``eta1`` by ``m`` times itself). Linear and invertible (:func:`uncentre`) for a given ``m``."""
+    return Gaussian(change.eta1 + 2.0 * _times(change.eta2, mean, full), change.eta2)
+
+
+def uncentre(centred: Gaussian, mean, full: bool = False) -> Gaussian:
+    """Inverse of :func:`centre`: ``(a - 2 b m, b)``."""
+    return Gaussian(centred.eta1 - 2.0 * _times(centred.eta2, mean, full), centred.eta2)
 
 
 def apply_invalid_rule(q: Gaussian, proposal: Gaussian, damping, rule: str, precision_floor: float):
@@ -221,7 +226,7 @@ class ShardRule:
     def from_release(self, q, released):
         """The change of natural parameters a release (or a sum of them, noised or not) stands for."""
         centre_at = self.release_centre(q)
-        return released if centre_at is None else uncentre(released, centre_at)
+        return released if centre_at is None else uncentre(released, centre_at, self.family == "full_rank")
 
     def update(self, q, cavity, arrays, mask, n, key, client_state):
         """The client alone (no trusted aggregator): release ``S_m + N(0, noise_std^2)`` and propose
@@ -303,8 +308,11 @@ class VirtualClients(ShardRule):
         return q_k, factors.is_proper(cavity)
 
     def release_centre(self, q):
-        """Mean-field: the mean of ``q`` (public), so that the noise a release leaves in ``q`` moves its mean by
-        ``(xi_1 + 2 xi_2 (mu - m)) / Lambda`` instead of ``(xi_1 + 2 xi_2 mu) / Lambda`` (:mod:`.release_noise`)."""
+        """Mean-field and full-rank: the mean ``m`` of ``q`` (public), so that the noise a release leaves in ``q``
+        moves its mean by ``Lambda^{-1} (xi_1 + 2 xi_2 (mu - m))`` instead of ``Lambda^{-1} (xi_1 + 2 xi_2 mu)``
+        (:mod:`.release_noise`)."""
+        if self.family == "full_rank":
+            return factors.mean_and_precision(q)[0]
         return factors.to_loc_scale(q)[0] if self.family == "mean_field" else None
 
     def contribution(self, q, cavity, arrays, mask, key, client_state):
@@ -318,7 +326,8 @@ class VirtualClients(ShardRule):
                                     self.shard_chunk)
         use = valid_shard & cavity_ok
         centre_at = self.release_centre(q)
-        in_release = (lambda d: d) if centre_at is None else (lambda d: centre(d, centre_at))
+        full = self.family == "full_rank"
+        in_release = (lambda d: d) if centre_at is None else (lambda d: centre(d, centre_at, full))
         deltas = jax.vmap(lambda a: clip_change(in_release(factors.divide(a, q)), self.clip))(q_k)
         deltas = Gaussian(*(jnp.where(_expand(use, d), d, 0.0) for d in deltas))
         advanced = factors.multiply(client_state["factors"], factors.scale(self.from_release(q, deltas), self.damping))
