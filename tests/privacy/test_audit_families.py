@@ -424,7 +424,7 @@ def test_virtual_clients_audit_of_the_centred_release(bug, monkeypatch):
     m, centre = factors.to_loc_scale(CENTRED_Q)[0], update_perturbation.centre
     if bug != "none":
         honest_clip = update_perturbation.clip_change
-        monkeypatch.setattr(update_perturbation, "centre", lambda change, mean: change)
+        monkeypatch.setattr(update_perturbation, "centre", lambda change, mean, full=False: change)
         monkeypatch.setattr(update_perturbation, "clip_change", lambda change, clip: centre(honest_clip(change, clip), m))
     cs, n = one_client(state), d.sizes[0]
 
