@@ -48,8 +48,8 @@ adaptively. Concretely:
 * **Virtual clients** (Algorithm 3): shard ``k`` has its own factor ``t_{m,k}`` and cavity
   ``q / t_{m,k}`` and runs one PVI local step; the client's proposal is ``eta(q) + R_m``. Since the virtual
   factors hold no noise, the noise of every applied release stays in ``t_m``, with a variance the client
-  carries (:mod:`.release_noise`, the noise-aware posterior). A mean-field change is clipped and released
-  centred on the public mean ``m`` of ``q`` (:func:`centre`: ``(Delta eta1 + 2 Delta eta2 m, Delta eta2)``, the
+  carries (:mod:`.release_noise`, the noise-aware posterior). A mean-field or full-rank change is clipped and
+  released centred on the public mean ``m`` of ``q`` (:func:`centre`: ``(Delta eta1 + 2 Delta eta2 m, Delta eta2)``, the
   factor's linear term in ``theta - m``) and taken back to natural parameters after the noise (:func:`uncentre`):
   a linear map fixed by the public ``q``, so the clipped vector's norm, and every sensitivity argument below, are
   those of the centred change; the noise then moves ``q``'s mean by ``(xi_1 + 2 xi_2 (mu - m)) / Lambda`` instead
@@ -318,8 +318,8 @@ class VirtualClients(ShardRule):
     def contribution(self, q, cavity, arrays, mask, key, client_state):
         """``sum_k clip_C(Delta_k)`` over non-empty shards whose cavity is proper (a virtual client with
         an improper cavity proposes no change), and the virtual factors advanced by ``rho clip_C(Delta_k)``. A
-        mean-field change is clipped, summed and released centred on ``q``'s public mean (:func:`centre`); the
-        virtual factors take it back in natural parameters (:meth:`from_release`)."""
+        mean-field or full-rank change is clipped, summed and released centred on ``q``'s public mean
+        (:func:`centre`); the virtual factors take it back in natural parameters (:meth:`from_release`)."""
         valid_shard = jnp.any(mask, axis=-1)
         q_k, cavity_ok = map_shards(lambda t, a, mk, k: self.shard_update(q, t, a, mk, k),
                                     (client_state["factors"], arrays, mask, self.shard_keys(key, client_state)),
