@@ -42,7 +42,7 @@ on ``eta2`` (``s^2`` on the diagonal, ``s^2 / 2`` off it: ``Cov(xi2_jl, xi2_kl')
 gives ``d mu = Lambda~^{-1} sum_r rho (xi_1 + 2 xi_2 v_r)``, ``v_r = mu~ - m_r``, and ``Cov(2 xi_2 v) = 2 s^2 (|v|^2 I
 + v v^T)``, so
 
-    Cov[theta] = Lambda~^{-1} + Lambda~^{-1} N Lambda~^{-1},     N = sum_r w_r ((1 + 2 |v_r|^2) I + 2 v_r v_r^T)    (3)
+    Cov[theta] = Lambda~^{-1} + Lambda~^{-1} N Lambda~^{-1},     N = sum_r w_r ((1 + 2 v_r^T v_r) I + 2 v_r v_r^T)    (3)
 
 (its diagonal on a diagonal ``eta2`` would be eq. (2)'s ``1 + 4 v_j^2`` only if the off-diagonal noise were absent:
 it is not, and it adds ``2 sum_{l != j} v_l^2``). The client carries ``W``, ``sum_r w_r m_r`` and the matrix ``sum_r
