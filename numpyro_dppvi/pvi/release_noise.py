@@ -32,8 +32,8 @@ logistic regression, where ``mu^2`` is about 1: ``benchmarks/results/coverage.js
 mixture are not used: ``eta1 / Lambda`` is a ratio of Gaussians, and its moments are dominated by the tail where the
 noise takes ``Lambda`` near zero (measured on the coverage study's logistic regression, epsilon 1, 2,000 rows, the
 same 20 fits: with them the mean's RMSE was 0.92 against 0.56 and the mean sd 0.87 against 0.35). ``W = 0`` gives
-``q`` back. A checkpoint written before the centres existed resumes with them at zero, which is exactly (2) for its
-earlier, uncentred releases.
+``q`` back. A checkpoint written before the centres existed (:data:`ADDED_STATE`) resumes with them at zero, which
+is exactly (1) and (2) for its earlier releases: the version that wrote it released uncentred changes (``m_r = 0``).
 
 **Full-rank factors** (``family="full_rank"``). A release is centred the same way, ``(Delta eta1 + 2 Delta eta2 m,
 Delta eta2)`` with ``Delta eta2`` the ``[D, D]`` matrix, and its noise is iid ``N(0, s^2)`` on ``eta1`` and symmetric
@@ -77,6 +77,10 @@ KEY = "release_noise_var"
 #: ``sum_r w_r m_r`` and ``sum_r w_r m_r^2`` per coordinate (eq. 1): the centres of the releases, weighted.
 CENTRE_KEYS = ("release_noise_centre", "release_noise_centre_sq")
 KEYS = (KEY,) + CENTRE_KEYS
+#: Client state a checkpoint may lack, filled with zeros on resume (:func:`numpyro_dppvi.pvi.resume.resume`): the
+#: versions that carried ``W`` but not the centres released uncentred changes (mean-field before the centring of
+#: issue 23, full-rank before eq. 3), so their releases' ``m_r`` are zero and zeros are their sums, exactly.
+ADDED_STATE = CENTRE_KEYS
 
 
 def carried(client_state: dict, damping, applied, centre=None) -> dict:

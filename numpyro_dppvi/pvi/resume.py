@@ -19,6 +19,7 @@ from .. import keys
 from ..privacy import PrivacyLedger
 from ..program_cache import to_device
 from ..results import DPPVIResult
+from . import release_noise
 from .local import DPOptimisation
 from .server import PVIState
 
@@ -57,7 +58,9 @@ def resume(driver, path, clients, rounds: int, hmac_key: bytes | None = None, rn
     Refuses a checkpoint whose settings (method, schedule, shards, clip, relation, sampling,
     accountant, delta, noise multiplier, ...) differ from this driver's, or whose data
     fingerprint does not match ``clients``. The fit continues with the checkpoint's own key;
-    ``rng_key``, if given, must be that key.
+    ``rng_key``, if given, must be that key. State a later version added is filled with zeros: the gain's noise
+    of DP optimisation (``DPOptimisation.ADDED_STATE``, with a warning: it under-states that noise for a while) and
+    the releases' centres of virtual clients (``release_noise.ADDED_STATE``, exact: those releases were uncentred).
     """
     arrays, meta = checkpoints.load(path, hmac_key=hmac_key)
     if meta.get("kind") != "DPPVICheckpoint" or meta.get("format") != CHECKPOINT_FORMAT:
@@ -92,10 +95,12 @@ def resume(driver, path, clients, rounds: int, hmac_key: bytes | None = None, rn
                                  f"uses {getattr(expected, name)!r}; resume with the saved privacy settings")
     if keys.keyed_fingerprint(key_data, driver.clients) != meta["fingerprint"]:
         raise ValueError(f"{path} was fitted on other client data; resume it with the same clients in the same order")
-    arrays, filled = checkpoints.with_added_leaves(template, arrays, DPOptimisation.ADDED_STATE)
-    if filled:
-        warnings.warn(f"{path} was saved by an older version, without {', '.join(filled)}: they start at zero and "
-                      "enter from each client's next update, so the noise-aware posterior under-states the gain's "
+    arrays, filled = checkpoints.with_added_leaves(template, arrays,
+                                                   DPOptimisation.ADDED_STATE + release_noise.ADDED_STATE)
+    understated = [name for name in filled if any(name.endswith(f"['{key}']") for key in DPOptimisation.ADDED_STATE)]
+    if understated:
+        warnings.warn(f"{path} was saved by an older version, without {', '.join(understated)}: they start at zero "
+                      "and enter from each client's next update, so the noise-aware posterior under-states the gain's "
                       "noise until the clients have updated a few times", UserWarning, stacklevel=3)
     state = checkpoints.unflatten_like(template, arrays)
     done = int(state.round)

@@ -235,3 +235,47 @@ def test_the_full_rank_widened_covariance_is_the_mixtures_to_first_order():
     quiet = release_noise.noise_aware_posterior(q, {release_noise.KEY: jnp.zeros(1)})
     np.testing.assert_allclose(quiet.eta1, q.eta1, rtol=1e-4)
     np.testing.assert_allclose(quiet.eta2, q.eta2, rtol=1e-4)
+
+
+@pytest.mark.parametrize("family", ["mean_field", "full_rank"])
+def test_a_checkpoint_saved_without_the_centres_resumes_with_them_at_zero(tmp_path, family):
+    """A private checkpoint of a version that carried ``W`` but not the releases' centres
+    (``release_noise.ADDED_STATE``) was written by one that released uncentred changes, so zeros are the exact sums
+    of its releases' ``m_r``: the resume fills them without a warning, ``q`` as fitted and the ledger are the
+    uninterrupted fit's, and the posterior is eq. (2) / (3) with the centres of the resumed rounds only (the
+    uninterrupted fit's sums less the checkpoint's: float32 noise, rtol 1e-5)."""
+    from numpyro_dppvi import checkpoint
+
+    clients = linreg_clients(n=120, m=2)[0]
+
+    def driver():
+        return dppvi.DPPVI(linreg, method="virtual_clients", shards=3, schedule="synchronous", local_steps=5,
+                           rounds=4, damping=DAMPING, family=family,
+                           optimizer=optax.adam(5e-2) if family == "mean_field" else None,
+                           privacy=Privacy(noise_multiplier=0.5, clip=0.5, accountant="rdp"))
+
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        whole = driver().run(jax.random.key(3), clients, rounds=4, checkpoint=tmp_path / "whole.ckpt")
+        d = driver()
+        d.run(jax.random.key(3), clients, rounds=2, checkpoint=tmp_path / "half.ckpt")
+    template = d.init(jax.random.key(3), clients)
+    arrays, meta = checkpoint.load(tmp_path / "half.ckpt")
+    half = checkpoint.unflatten_like(template, arrays)
+    at_end = checkpoint.unflatten_like(template, checkpoint.load(tmp_path / "whole.ckpt")[0])
+    older = {k: v for k, v in half.client_state.items() if k not in release_noise.ADDED_STATE}
+    assert len(older) == len(half.client_state) - 2 and release_noise.KEY in older
+    checkpoint.save(tmp_path / "half.ckpt", half._replace(client_state=older), meta, private=True)
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        resumed = driver().resume(tmp_path / "half.ckpt", clients, 4)
+    assert not [w for w in caught if "older version" in str(w.message)]
+    np.testing.assert_array_equal(resumed.q_fitted.eta1, whole.q_fitted.eta1)
+    np.testing.assert_array_equal(resumed.q_fitted.eta2, whole.q_fitted.eta2)
+    assert resumed.privacy == whole.privacy
+    resumed_rounds = dict(at_end.client_state, **{k: at_end.client_state[k] - half.client_state[k]
+                                                  for k in release_noise.ADDED_STATE})
+    expected = release_noise.noise_aware_posterior(at_end.q, resumed_rounds)
+    np.testing.assert_allclose(resumed.q.eta1, expected.eta1, rtol=1e-5, atol=1e-6)
+    np.testing.assert_allclose(resumed.q.eta2, expected.eta2, rtol=1e-5, atol=1e-6)
+    assert not np.allclose(resumed.q.eta2, whole.q.eta2, rtol=1e-4)  # the centres of rounds 1-2 mattered
