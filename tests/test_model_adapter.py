@@ -166,3 +166,41 @@ def test_normal_parent_of_a_non_gaussian_site_joins_the_server_mask():
     assert [s.gaussian_prior for s in adapter.sites] == [True, True, False, False]
     np.testing.assert_array_equal(adapter.server_mask, [False, True, True, True, True])
     np.testing.assert_allclose(adapter.prior.eta2[:2], [-0.5, -0.5 / 25])  # mu's Normal prior stays exact
+
+
+@pytest.mark.parametrize("persist", [False, True])
+def test_traces_take_latent_values_from_the_host_and_still_tell_dependent_priors(persist, tmp_path, monkeypatch):
+    """The adapter's traces give latent sites host-drawn values in their supports (``reference_values``), so the
+    traced program holds no random-number generator (compiling one was most of the traces' cost in a new
+    process); eager and compiled traces agree, two seeds give two values, and a prior whose parameters are other
+    latents' values, or the difference of two sites with the same prior (one constant would cancel it), is still
+    told from a constant one."""
+    from numpyro_dppvi import model_adapter
+    from numpyro_dppvi.model_adapter import _trace, compiled_traces, reference_values
+
+    @dppvi.model
+    def differences(x, y=None):
+        a = numpyro.sample("a", dist.Normal(0.0, 1.0))
+        b = numpyro.sample("b", dist.Normal(0.0, 1.0))
+        w = numpyro.sample("w", dist.Normal(a - b, 1.0).expand([x.shape[1]]).to_event(1))
+        scale = numpyro.sample("scale", dist.LogNormal(0.0, 1.0))
+        with numpyro.plate("data", x.shape[0]):
+            numpyro.sample("y", dist.Normal(x @ w, scale), obs=y)
+
+    x, y = data()
+    monkeypatch.setattr(model_adapter, "programs_persist", lambda: persist)
+    adapter = ModelAdapter(differences, (x, y))
+    assert [s.gaussian_prior for s in adapter.sites] == [True, True, False, False]
+    primitives = {e.primitive.name for e in jax.make_jaxpr(lambda x, y: [
+        site["value"] for site in _trace(differences, (x, y), 0).values() if site["type"] == "sample"])(x, y).eqns}
+    assert not primitives & {"random_bits", "threefry2x32", "random_split", "random_fold_in"}, primitives
+    eager = [_trace(differences, (jnp.asarray(x[:3]), jnp.asarray(y[:3])), seed) for seed in (0, 1)]
+    compiled = compiled_traces(differences, [((jnp.asarray(x[:3]), jnp.asarray(y[:3])), seed) for seed in (0, 1)])
+    for e, c in zip(eager, compiled):
+        for name in ("a", "b", "w", "scale"):
+            np.testing.assert_allclose(np.asarray(e[name]["value"]), np.asarray(c[name]["value"]), rtol=1e-6)
+    assert float(eager[0]["a"]["value"]) != float(eager[1]["a"]["value"])
+    assert float(eager[0]["scale"]["value"]) > 0
+    assert reference_values(0)({"type": "sample", "is_observed": True, "fn": dist.Normal(), "name": "y"}) is None
+    assert reference_values(0)({"type": "sample", "is_observed": False, "fn": dist.Poisson(1.0), "name": "k",
+                                "kwargs": {}}) is None
