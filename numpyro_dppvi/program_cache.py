@@ -50,8 +50,17 @@ def to_device(x, dtype=None) -> jax.Array:
 def committed(tree):
     """``tree`` committed to the default device (no copy for arrays already there): a jitted program's outputs are
     committed when an input is, and JAX compiles a program once for committed and once for uncommitted arguments,
-    so a state read from a checkpoint and one a round returned must be alike."""
-    return jax.device_put(tree, jax.devices()[0])
+    so a state read from a checkpoint and one a round returned must be alike. A ``jax.ShapeDtypeStruct`` leaf (an
+    abstract argument to ``lower`` a program ahead of its first call) takes the default device's sharding, which
+    lowers the program its committed arrays will call."""
+    device = jax.devices()[0]
+    leaves, treedef = jax.tree_util.tree_flatten(tree)
+    if not any(isinstance(leaf, jax.ShapeDtypeStruct) for leaf in leaves):
+        return jax.device_put(tree, device)
+    sharding = jax.sharding.SingleDeviceSharding(device)
+    return treedef.unflatten([
+        jax.ShapeDtypeStruct(leaf.shape, leaf.dtype, sharding=sharding, weak_type=leaf.weak_type)
+        if isinstance(leaf, jax.ShapeDtypeStruct) else jax.device_put(leaf, device) for leaf in leaves])
 
 
 def cached(key: tuple, build: Callable[[], Callable]) -> Callable:

@@ -14,6 +14,7 @@ import collections
 import concurrent.futures
 import dataclasses
 import functools
+import threading
 import time
 import warnings
 from typing import Callable, Sequence
@@ -351,8 +352,9 @@ class DPPVI:
                          lambda: jax.jit(functools.partial(plan_module.initial_state, self.rule, self.server_step, m)))
         inputs = (self.data, self.mask, to_device(key_data, np.uint32), self.adapter.prior, self.adapter.server_mask)
         if self.plan is not None:
-            self._calibrate(program, inputs)
-        state = program(*inputs, self._initial_extras(self.plan))
+            state = self._calibrate(program, inputs)
+        else:
+            state = program(*inputs, self._initial_extras(self.plan))
         self.seed = seed
         self.ledger = None if self.plan is None else self.privacy.ledger(
             m, self.trusted_aggregator, seed=seed, charges=self.plan.charges(self.planned_rounds),
@@ -382,43 +384,56 @@ class DPPVI:
             extras.update(plan_module.adaptive_clip_state(self, plan))
         return extras
 
-    def _calibrate(self, initial_program, inputs) -> None:
-        """Calibrate the plan's noise for the planned rounds, then warn if it swamps the signal.
+    def _calibrate(self, initial_program, inputs) -> PVIState:
+        """Calibrate the plan's noise for the planned rounds, warn if it swamps the signal, and return the initial
+        state (``initial_program`` on ``inputs`` and the calibrated noise).
 
         A first fit's calibration searches the PLD accountant for seconds, as long as compiling the fit's
-        programs. Those programs take the noise as an input, so they are compiled meanwhile on a second
-        thread (XLA's compiler runs without Python's lock) for a placeholder plan of the same shape
-        (:meth:`_compile_ahead`); the calls that follow find them compiled. A calibration known at once
-        (memoised, or a noise multiplier alone) needs no thread.
+        round. The programs take the noise as an input, so the round is compiled meanwhile on a second thread
+        for a placeholder plan of the same shape (:meth:`_compile_ahead`), and the calls that follow find it
+        compiled. The search waits until that thread has traced and lowered the round: both are Python, which
+        runs one thread at a time, while XLA's compilation that follows runs without Python's lock, beside the
+        search and the initial-state program (a new process's first fit of the Adult benchmark: the round's
+        tracing took 0.8 s beside the search and 0.3 s alone, ``benchmarks/fit_overhead.py``). A calibration
+        known at once (memoised, or a noise multiplier alone) needs no thread.
 
-        The compilation traces the model under NumPyro's effect handlers, whose stack is one list for the
-        whole process: no other model may run until it ends. So an accountant's error is raised only once
-        the compilation has ended (a fit caught and retried at once would otherwise trace its model into
-        the other thread's handlers: "all sites must have unique names").
+        Tracing runs the model under NumPyro's effect handlers, whose stack is one list for the whole process:
+        no other model may run while the round is traced, which the wait guarantees. An accountant's error is
+        raised only once the compilation has ended.
         """
         rounds = self.planned_rounds
         if self.plan.calibrated_at_once(rounds):
             self.plan.calibrate(rounds)
+            state = initial_program(*inputs, self._initial_extras(self.plan))
         else:
             placeholder = dataclasses.replace(self.plan, noise_multipliers=np.ones(self.num_clients))
+            lowered = threading.Event()
             pool = concurrent.futures.ThreadPoolExecutor(1, thread_name_prefix="dppvi-compile")
-            compiling = pool.submit(self._compile_ahead, initial_program, inputs, self._initial_extras(placeholder))
+            compiling = pool.submit(self._compile_ahead, initial_program, inputs, self._initial_extras(placeholder),
+                                    lowered)
             try:
+                lowered.wait()
                 self.plan.calibrate(rounds)
+                state = initial_program(*inputs, self._initial_extras(self.plan))
             finally:
                 pool.shutdown(wait=True)
             compiling.result()
         if self.plan.kind == "client":
             self._server_noise_std = to_device(float32_at_least(self.plan.noise_std(0)), np.float32)
         plan_module.warn_if_noise_swamps(self)
+        return state
 
-    def _compile_ahead(self, initial_program, inputs, placeholder_extras) -> None:
-        """Compile the initial-state program and the round for this fit's shapes, from a placeholder state
-        (its noise settings are placeholders of the real ones' shapes). Runs the initial-state program once;
-        nothing it computes leaves this function."""
-        state = initial_program(*inputs, placeholder_extras)
-        limits = to_device(np.zeros(self.num_clients), np.int32)
-        self._program.lower(state, self.data, self.mask, self.sizes, limits, self._server_noise_std).compile()
+    def _compile_ahead(self, initial_program, inputs, placeholder_extras, lowered: threading.Event) -> None:
+        """Compile the round for this fit's shapes, from the initial state's shapes for a placeholder plan
+        (``jax.eval_shape``: nothing runs); set ``lowered`` once the round is lowered (or this fails), before
+        XLA compiles it."""
+        try:
+            state = jax.eval_shape(initial_program, *inputs, placeholder_extras)
+            limits = to_device(np.zeros(self.num_clients), np.int32)
+            program = self._program.lower(state, self.data, self.mask, self.sizes, limits, self._server_noise_std)
+        finally:
+            lowered.set()
+        program.compile()
 
     def _round(self, state: PVIState, data, mask, sizes, limits):
         """The compiled round of this fit (shared with every fit of the same structure)."""

@@ -249,6 +249,39 @@ def test_compiling_while_the_accountant_searches_gives_the_fit_that_calibrates_f
     assert first.config == second.config
 
 
+def test_the_accountant_searches_once_the_round_is_lowered(monkeypatch):
+    """Tracing the round and the accountant's search are both Python, which runs one thread at a time: the search
+    starts once the compile-ahead thread says it has lowered the round (XLA's compilation, which holds no lock,
+    then runs beside it); the fit is the one whose calibration is memoised (no thread), bit for bit."""
+    from numpyro_dppvi.privacy import calibration
+    from numpyro_dppvi.pvi.driver import DPPVI
+    from numpyro_dppvi.pvi.privacy_plan import PrivacyPlan
+
+    order = []
+    compile_ahead, calibrate = DPPVI._compile_ahead, PrivacyPlan.calibrate
+
+    class Recorded:
+        def __init__(self, event):
+            self.event = event
+
+        def set(self):
+            order.append("lowered")
+            self.event.set()
+
+    monkeypatch.setattr(DPPVI, "_compile_ahead", lambda self, program, inputs, extras, lowered: compile_ahead(
+        self, program, inputs, extras, Recorded(lowered)))
+    monkeypatch.setattr(PrivacyPlan, "calibrate", lambda plan, rounds: order.append("calibrate") or calibrate(
+        plan, rounds))
+    calibration.clear_memo()
+    cache._PROGRAMS.clear()
+    privacy = dict(privacy=Privacy(epsilon=3.0, delta=1e-5, clip=1.0, public_sizes=50))
+    first = budget_fit(**privacy)
+    assert order == ["lowered", "calibrate"], order
+    again = budget_fit(**privacy)
+    assert order == ["lowered", "calibrate", "calibrate"], order  # memoised: no thread
+    np.testing.assert_array_equal(np.asarray(first.q.eta1), np.asarray(again.q.eta1))
+
+
 def test_a_budget_the_accountant_cannot_meet_fails_after_the_compilation_ends():
     """The accountant's error reaches the caller once the compilation on the other thread has ended: it
     traces the model under NumPyro's handlers, whose stack is global, so a fit run right after the error
