@@ -23,9 +23,10 @@ cover 0.82-0.83 on 50 data sets (0.92-0.98 on the screen's 8: its coverage varie
 screen's size can show); at epsilon 1 / 2,000 rows no setting does better than the default.
 
 With ``--family full_rank`` the fits' factors are full-rank and their posterior eq. (3) of ``pvi/release_noise.py``
-(the precision's off-diagonal in ``q``): 20 rounds at damping 0.25, epsilon 8 / 2,000 rows, 50 data sets, cover .92 /
-.52 with RMSE .116; at epsilon 1 / 10,000 rows the same schedule covers .91 / .53 with RMSE 2.04 (the noise of 27
-coordinates throws fits about; ``results/vc_damping_full_rank.json``).
+(the precision's off-diagonal in ``q``), 50 data sets a cell (``results/vc_damping_full_rank.json``): 20 rounds at
+damping 0.25, epsilon 8 / 2,000 rows, cover .92 / .52 with RMSE .116; 20 rounds at 0.5, epsilon 8 / 10,000 rows,
+.92 / .55 with RMSE .050 (both in the bar); at epsilon 1 the noise of 27 coordinates throws fits about: 20 rounds at
+0.25 cover .91 / .53 with RMSE 2.04 (10,000 rows) and .90 / .60 with RMSE 189 (2,000 rows), every fit warning.
 
 Run from a checkout: ``python benchmarks/vc_damping.py`` (``--datasets 8``, about 15 minutes on 2 cores);
 ``--only 2000,8,20,0.25 ... --datasets 50 --name vc_damping_50`` re-measures chosen settings on more data sets.
