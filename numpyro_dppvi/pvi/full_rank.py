@@ -71,11 +71,54 @@ def lapack_safe_chunk(dim: int, outer: int = 1) -> int:
     virtual-clients round at 10 clients x 1,000 one-record shards (``D = 6``) hung in 3 of 3 runs, every thread
     idle in ``jax::ParallelBatchMap``'s ``BlockingCounter::Wait`` (gdb); a ``lax.scan`` of an independent batched
     Cholesky and inverse of 5,000 ``6 x 6`` matrices hung in 2 of 3 runs, and never with one of the two. Shard
-    rules map their shards in chunks of this size (:func:`~numpyro_dppvi.pvi.update_perturbation.map_shards`), so
-    that the calls whose batch grows with the data stay on the calling thread. The batch of a ``vmap`` over
-    clients (``outer``) is not chunked: at ``clients x D^3`` of 200,000 or more (e.g. 10 clients at ``D >= 28``)
-    such calls still go to the pool."""
+    rules map their shards in chunks of this size (:func:`map_in_chunks`), so that the calls whose batch grows
+    with the data stay on the calling thread; the servers map their clients in chunks too (:func:`map_clients`),
+    and ``outer`` is the clients of one chunk."""
     return max(1, (LAPACK_PARALLEL_WORK - 1) // (max(1, int(outer)) * int(dim) ** 3))
+
+
+def map_in_chunks(fn: Callable, xs: tuple, chunk: int | None):
+    """``vmap(fn)(*xs)`` over the leading axis of ``xs``; with ``chunk``, as a sequential ``lax.map`` over equal
+    chunks of at most ``chunk`` items (each chunk a ``vmap``), so that no batched LAPACK call of ``fn`` holds more
+    than ``chunk`` problems (:func:`lapack_safe_chunk`). The items are padded to a whole number of chunks with
+    copies of the first (their results are dropped), so that one chunk's program is compiled, not a second one for
+    a remainder. The same values either way, up to the order of floating-point work."""
+    count = jax.tree.leaves(xs)[0].shape[0]
+    if chunk is None or chunk >= count:
+        return jax.vmap(fn)(*xs)
+    chunks = -(-count // int(chunk))
+    size = -(-count // chunks)
+    padded = jax.tree.map(lambda a: jnp.concatenate([a, a[jnp.zeros(chunks * size - count, int)]]), xs)
+    out = jax.lax.map(lambda x: fn(*x), padded, batch_size=size)
+    return jax.tree.map(lambda a: a[:count], out)
+
+
+def client_chunk(q: Gaussian, clients: int) -> int | None:
+    """Clients per chunk of a map over ``clients`` clients whose work holds ``[D, D]`` LAPACK calls (``q`` full-rank
+    or low-rank, whose steps are dense): None (one ``vmap``) where ``clients D^3`` stays under
+    :data:`LAPACK_PARALLEL_WORK` or for a mean-field ``q``, else :func:`lapack_safe_chunk` of ``D`` (one client at
+    a time from ``D = 59``: a batch of one is never split). Measured: a non-private full-rank PVI fit, synchronous,
+    10 clients, ``D = 60``, hung in 2 of 2 runs without it (gdb: ``spotrf`` and ``sgetrf`` of ``[10, 60, 60]``
+    waiting in ``ParallelBatchMap``)."""
+    if not (factors.is_full_rank(q) or factors.is_low_rank(q)):
+        return None
+    batch = client_batch(int(q.eta1.shape[-1]), clients)
+    return None if batch >= clients else batch
+
+
+def client_batch(dim: int, clients: int) -> int:
+    """How many of ``clients`` clients one ``vmap`` of dense (``[D, D]``) work holds: all of them where ``clients
+    D^3`` stays under :data:`LAPACK_PARALLEL_WORK`, else :func:`lapack_safe_chunk` of ``D``. The ``outer`` of the
+    shards' chunks (:func:`lapack_safe_chunk`)."""
+    if clients < 2 or clients * int(dim) ** 3 < LAPACK_PARALLEL_WORK:
+        return max(1, int(clients))
+    return lapack_safe_chunk(dim)
+
+
+def map_clients(fn: Callable, xs: tuple, q: Gaussian):
+    """``vmap(fn)(*xs)`` over the clients (the leading axis of ``xs``), in chunks of :func:`client_chunk` where one
+    ``vmap`` would batch enough ``[D, D]`` problems for jaxlib to split them over its pool."""
+    return map_in_chunks(fn, xs, client_chunk(q, jax.tree.leaves(xs)[0].shape[0]))
 
 
 def expected_derivatives(f: Callable, u: jax.Array) -> tuple[jax.Array, jax.Array, jax.Array]:

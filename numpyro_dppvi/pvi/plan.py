@@ -28,9 +28,9 @@ from ..privacy.adaptive_clip import adaptive_clip_init
 from ..privacy.noise import float32_at_least
 from ..persistent_cache import ExportedProgram
 from ..program_cache import cached, shapes, to_device
-from . import server
+from . import full_rank, server
 from .defaults import UPDATE_METHODS
-from .full_rank import NonPrivateFullRank, ServerFactorStepFullRank, lapack_safe_chunk
+from .full_rank import NonPrivateFullRank, ServerFactorStepFullRank, client_batch, lapack_safe_chunk
 from .local import DPOptimisation, NonPrivate, ServerFactorStep
 from .low_rank import NonPrivateLowRank, ServerFactorStepLowRank
 from .privacy_plan import client_level_plan, dp_sgd_plan, shard_update_plan
@@ -121,7 +121,7 @@ def local_posteriors(rule, priors, data, mask, sizes, client_state, key):
     ``priors[m]`` on client ``m``'s data, key ``fold_in(key, m)``, vmapped over the clients; returns the
     stacked ``q_m`` (``[M, ...]``). Pure; jitted by ``DPPVI.local_posteriors``, which charges the releases."""
     keys = jax.vmap(lambda i: jax.random.fold_in(key, i))(jnp.arange(sizes.shape[0]))
-    q_m, _, _ = jax.vmap(rule.update)(priors, priors, data, mask, sizes, keys, client_state)
+    q_m, _, _ = full_rank.map_clients(rule.update, (priors, priors, data, mask, sizes, keys, client_state), priors)
     return q_m
 
 
@@ -179,7 +179,7 @@ def privacy_plan_and_rule(driver, sizes, dimension: int, calibrate: bool = True)
         rule = cls(a.log_lik_rows, a.dim, driver.optimizer, driver.local_steps, driver.num_samples,
                    clip=None if p is None else p.clip, damping=driver.damping, invalid=driver.invalid,
                    precision_floor=driver.precision_floor, family=driver.family, rank=driver.rank or 0,
-                   shard_chunk=lapack_safe_chunk(a.dim, driver.num_clients)
+                   shard_chunk=lapack_safe_chunk(a.dim, client_batch(a.dim, driver.num_clients))
                    if driver.family in ("full_rank", "low_rank") else None)
     else:
         if driver.privacy_unit == "client":

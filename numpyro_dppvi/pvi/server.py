@@ -37,7 +37,7 @@ import jax.numpy as jnp
 from .. import factors
 from ..factors import Gaussian
 from ..privacy.sampling import inclusion_threshold
-from . import low_rank
+from . import full_rank, low_rank
 from .update_perturbation import apply_invalid_rule, clip_change, release_change
 
 SCHEDULES = ("sequential", "synchronous", "asynchronous")
@@ -94,12 +94,11 @@ def synchronous(rule, damping, state: PVIState, data, mask, sizes, key, limits):
     q = state.q
     cavities = factors.divide(broadcast(q, m), state.factors)
     keys = jax.vmap(lambda i: jax.random.fold_in(key, i))(jnp.arange(m))
-    q_new, client_state, metrics = jax.vmap(rule.update, in_axes=(None, 0, 0, 0, 0, 0, 0))(
-        q, cavities, data, mask, sizes, keys, state.client_state
-    )
+    q_new, client_state, metrics = full_rank.map_clients(  # in chunks where jaxlib would split the LAPACK batches
+        lambda *xs: rule.update(q, *xs), (cavities, data, mask, sizes, keys, state.client_state), q)
     # A non-finite q_new (a local optimisation that diverged on the client's released, noisy
     # gradients, or a non-private step) is dropped: post-processing of the releases.
-    failed = state.active & ~jax.vmap(_finite)(q_new)
+    failed = state.active & ~full_rank.map_clients(_finite, (q_new,), q)
     ok = state.active & ~failed
     client_state = jax.tree.map(lambda new, old: jnp.where(_expand(ok, new), new, old), client_state, state.client_state)
     extra = {}
@@ -117,14 +116,16 @@ def synchronous(rule, damping, state: PVIState, data, mask, sizes, key, limits):
         delta = Gaussian(*(jnp.where(_expand(ok, new), damping * (new - q_), 0.0) for new, q_ in zip(q_new, broadcast(q, m))))
         new_factors = factors.multiply(state.factors, delta)
         new_q = factors.multiply(q, factors.product(delta))
-    cavity_ok = jax.vmap(factors.is_proper)(cavities) | ~state.active | (not getattr(rule, "uses_client_cavity", True))
+    cavity_ok = full_rank.map_clients(factors.is_proper, (cavities,), q) | ~state.active \
+        | (not getattr(rule, "uses_client_cavity", True))
     valid = jnp.all(cavity_ok) & factors.is_proper(new_q)
     new_state = charge(state, state.active)._replace(
         q=new_q, factors=new_factors, q_seen=broadcast(new_q, m), client_state=client_state,
         round=state.round + 1, communications=state.communications + jnp.sum(state.active),
     )
     out = {"valid": valid, "loss": metrics["loss"], "participated": state.active, "failed": failed,
-           "stopped": stopped, "failed_coordinates": jnp.any(failed[:, None] & ~jax.vmap(factors.finite_coordinates)(q_new), 0),
+           "stopped": stopped,
+           "failed_coordinates": jnp.any(failed[:, None] & ~full_rank.map_clients(factors.finite_coordinates, (q_new,), q), 0),
            **extra}
     if "invalid" in metrics:
         out["invalid"] = metrics["invalid"] & state.active
@@ -269,12 +270,12 @@ def client_level(rule, damping, state: PVIState, data, mask, sizes, key, limits,
     part = client_sample(k_part, state.active, client_rate)
     cavities = factors.divide(broadcast(q, m), state.factors)
     keys = jax.vmap(lambda i: jax.random.fold_in(k_clients, i))(jnp.arange(m))
-    q_new, client_state, metrics = jax.vmap(rule.update, in_axes=(None, 0, 0, 0, 0, 0, 0))(
-        q, cavities, data, mask, sizes, keys, state.client_state)
+    q_new, client_state, metrics = full_rank.map_clients(
+        lambda *xs: rule.update(q, *xs), (cavities, data, mask, sizes, keys, state.client_state), q)
     if factors.is_low_rank(q):
         return _client_level_low_rank(rule, damping, state, stopped, part, cavities, q_new, client_state, metrics,
                                       k_noise, clip, noise_std, invalid_rule, precision_floor)
-    changes = jax.vmap(lambda a: clip_change(factors.divide(a, q), clip))(q_new)
+    changes = full_rank.map_clients(lambda a: clip_change(factors.divide(a, q), clip), (q_new,), q)
     changes = Gaussian(*(jnp.where(_expand(part, c), c, 0.0) for c in changes))
     released = release_change(k_noise, factors.product(changes), noise_std)
     proposal, invalid = apply_invalid_rule(q, factors.multiply(q, released), damping, invalid_rule, precision_floor)
@@ -295,8 +296,8 @@ def client_level(rule, damping, state: PVIState, data, mask, sizes, key, limits,
 def low_rank_client_changes(q: Gaussian, cavities: Gaussian, q_new: Gaussian, part, clip):
     """Each participant's change in public coordinates (:func:`~.low_rank.change_coordinates` of its dense answer),
     clipped jointly to ``clip``; zero for the others. Their sum is client-level DP's release before the noise."""
-    changes = jax.vmap(lambda c, a: clip_change(low_rank.change_coordinates(q, c, factors.to_full_rank(a)), clip))(
-        cavities, q_new)
+    changes = full_rank.map_clients(
+        lambda c, a: clip_change(low_rank.change_coordinates(q, c, factors.to_full_rank(a)), clip), (cavities, q_new), q)
     return jax.tree.map(lambda c: jnp.where(_expand(part, c), c, 0.0), changes)
 
 
@@ -319,7 +320,7 @@ def _client_level_low_rank(rule, damping, state, stopped, part, cavities, q_new,
     new_q = factors.damp(low_rank.in_basis_of(q, proposal), proposal, damping)
     inverse = low_rank.completion_inverse(q.eta2.core + released["core"], noise_std)
     weight = jnp.where(part & accepted, damping, 0.0)
-    own = jax.vmap(low_rank.own_change, in_axes=(0, None, None, None, 0))(changes, released, inverse, basis, weight)
+    own = full_rank.map_clients(lambda c, w: low_rank.own_change(c, released, inverse, basis, w), (changes, weight), q)
     client_state = jax.tree.map(lambda new, old: jnp.where(_expand(part & accepted, new), new, old),
                                 client_state, state.client_state)
     new_q, new_factors, noise_factor, server_factor, client_state, dropped = low_rank.settle_aggregate(

@@ -272,7 +272,7 @@ class LocalAveraging(ShardRule):
         num_shards = client_state["num_shards"]
         q_k, opt = map_shards(lambda a, mk, o, k: self.shard_update(q, cavity, num_shards, a, mk, o, k),
                               (arrays, mask, client_state["opt"], self.shard_keys(key, client_state)), self.shard_chunk)
-        deltas = jax.vmap(lambda a: clip_change(change_of(q, cavity, a), self.clip))(q_k)
+        deltas = map_shards(lambda a: clip_change(change_of(q, cavity, a), self.clip), (q_k,), self.shard_chunk)
         opt = jax.tree.map(lambda new, old: jnp.where(_expand(valid_shard, new), new, old), opt, client_state["opt"])
         return _masked_sum(deltas, valid_shard), dict(client_state, opt=opt)
 
@@ -342,21 +342,8 @@ class VirtualClients(ShardRule):
         return release_noise.carried(client_state, self.damping, accepted, self.release_centre(q))
 
 
-def map_shards(fn: Callable, xs: tuple, chunk: int | None):
-    """``vmap(fn)(*xs)`` over the leading (shard) axis of ``xs``; with ``chunk``, as a sequential ``lax.map``
-    over equal chunks of at most ``chunk`` shards (each chunk a ``vmap``), so that no batched LAPACK call of ``fn``
-    holds more than ``chunk`` problems (:func:`~numpyro_dppvi.pvi.full_rank.lapack_safe_chunk`). The shards are
-    padded to a whole number of chunks with copies of the first (their results are dropped), so that one chunk's
-    program is compiled, not a second one for a remainder. The same values either way, up to the order of
-    floating-point work."""
-    count = jax.tree.leaves(xs)[0].shape[0]
-    if chunk is None or chunk >= count:
-        return jax.vmap(fn)(*xs)
-    chunks = -(-count // int(chunk))
-    size = -(-count // chunks)
-    padded = jax.tree.map(lambda a: jnp.concatenate([a, a[jnp.zeros(chunks * size - count, int)]]), xs)
-    out = jax.lax.map(lambda x: fn(*x), padded, batch_size=size)
-    return jax.tree.map(lambda a: a[:count], out)
+#: The shards of a client mapped in chunks (:func:`~numpyro_dppvi.pvi.full_rank.map_in_chunks`).
+map_shards = full_rank.map_in_chunks
 
 
 def fit_shard(rule, q, cavity, arrays, mask, n_eff, key, opt_state=None):
@@ -411,8 +398,8 @@ def trusted_aggregator_round(rule: ShardRule, damping, state, data, mask, sizes,
     cavities = factors.divide(_broadcast(q, m), state.factors)
     keys = jax.vmap(lambda i: jax.random.fold_in(key, i))(jnp.arange(m))
     contribution_keys, noise_keys = jax.vmap(jax.random.split, out_axes=1)(keys)
-    summed, tentative = jax.vmap(rule.contribution, in_axes=(None, 0, 0, 0, 0, 0))(
-        q, cavities, data, mask, contribution_keys, cs)
+    summed, tentative = full_rank.map_clients(lambda *xs: rule.contribution(q, *xs),
+                                              (cavities, data, mask, contribution_keys, cs), q)
     scale = jax.vmap(rule.scale)(cs["num_shards"])
     if factors.is_low_rank(q):
         return _trusted_aggregator_low_rank(rule, damping, state, summed, tentative, scale, noise_keys, participating)
@@ -421,7 +408,7 @@ def trusted_aggregator_round(rule: ShardRule, damping, state, data, mask, sizes,
         noise_keys, summed, share, scale)
     aggregate = factors.product(Gaussian(*(jnp.where(_expand(participating, x), x, 0.0) for x in sent)))
     aggregate = rule.from_release(q, aggregate)  # every client released centred on the same public q
-    summed = jax.vmap(lambda s: rule.from_release(q, s))(summed)
+    summed = full_rank.map_clients(lambda s: rule.from_release(q, s), (summed,), q)
     proposal, invalid = apply_invalid_rule(q, factors.multiply(q, aggregate), damping, rule.invalid,
                                            rule.precision_floor)
     accepted = ~invalid if rule.invalid == "reject" else jnp.ones((), bool)

@@ -6,6 +6,8 @@ whose posteriors are correlated (``tests/pvi/numpyro_models.py``).
 
 from __future__ import annotations
 
+import warnings
+
 import jax
 import jax.numpy as jnp
 import numpy as np
@@ -185,3 +187,88 @@ def test_global_vi_and_bcm_take_the_family():
     assert gaussian_kl(*q_moments(pooled), exact_mean, exact_cov) < 1e-3
     bcm = dppvi.fit_bcm(linear, clients, family="full_rank", local_steps=40, batch_size=None, rng_key=jax.random.key(0))
     assert gaussian_kl(*q_moments(bcm), exact_mean, exact_cov) < 1e-3
+
+
+# --------------------------------------------------------------------------- jaxlib's LAPACK pool (issue 25)
+
+@dppvi.model
+def wide_logistic(x, y=None):
+    w = numpyro.sample("w", dist.Normal(0.0, 1.0).expand([x.shape[1]]).to_event(1))
+    b = numpyro.sample("b", dist.Normal(0.0, 1.0))
+    with numpyro.plate("data", x.shape[0]):
+        numpyro.sample("y", dist.Bernoulli(logits=x @ w + b), obs=y)
+
+
+def wide_clients(dim: int, clients: int, rows: int = 40):
+    rng = np.random.default_rng(0)
+    x = rng.normal(size=(rows * clients, dim - 1)).astype(np.float32)
+    y = (rng.uniform(size=len(x)) < 1 / (1 + np.exp(-x @ rng.normal(size=dim - 1) / np.sqrt(dim)))).astype(np.float32)
+    return dppvi.partition((x, y), num_clients=clients, seed=0)
+
+
+@pytest.mark.parametrize("family,options", [
+    ("full_rank", dict(schedule="synchronous")),
+    ("full_rank", dict(method="dp_optimisation", batch_size=10, schedule="synchronous")),
+    ("full_rank", dict(schedule="synchronous", privacy_unit="client")),
+    ("full_rank", dict(method="virtual_clients", shards=4)),
+    ("low_rank", dict(method="local_averaging", batch_size=10)),
+], ids=["pvi", "dp_optimisation", "client_level", "virtual_clients", "low_rank_local_averaging"])
+def test_a_round_over_many_dense_clients_keeps_every_lapack_batch_on_the_calling_thread(family, options):
+    """jaxlib 0.10's LAPACK kernels split a batch whose ``batch x cost`` reaches 200,000 over the intra-op pool and
+    wait in the worker that called them; two such calls at once deadlock a 2-core machine. Measured: a
+    non-private full-rank PVI fit, synchronous, 10 clients, ``D = 60``, hung in 2 of 2 runs (gdb: ``spotrf`` and
+    ``sgetrf`` of ``[10, 60, 60]`` in ``ParallelBatchMap``). The servers map the clients in chunks
+    (``full_rank.map_clients``): the round program holds no LAPACK call of a batch of two or more at or above the
+    threshold (a batch of one is never split: jaxlib's chunk is then the whole batch). Before the chunks, every
+    case here held some (``[10, 60, 60]`` Cholesky, LU and triangular solves; ``[1, 4, 60, 60]`` for low-rank local
+    averaging's shards)."""
+    import functools
+
+    from numpyro_dppvi.pvi.full_rank import LAPACK_PARALLEL_WORK
+    from numpyro_dppvi.pvi.plan import round_step
+
+    from .test_update_perturbation import lapack_batches
+
+    privacy = dppvi.Privacy(noise_multiplier=1.0, clip=1.0, accountant="rdp")
+    if options.get("method", "pvi") != "pvi" or options.get("privacy_unit"):
+        options = dict(options, privacy=privacy)
+    d = dppvi.DPPVI(wide_logistic, family=family, rounds=2, **({"rank": 2} if family == "low_rank" else {}),
+                    **options)
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")  # sizes not declared public
+        state = d.init(jax.random.key(0), wide_clients(60, 10))
+    jaxpr = jax.make_jaxpr(functools.partial(round_step, d.spec))(state, d.data, d.mask, d.sizes,
+                                                                   d.limits(state, 1), d._server_noise_std)
+    batches = lapack_batches(jaxpr.jaxpr)
+    assert batches, "the dense steps use LAPACK"
+    split = [b for b in batches if int(np.prod(b[1][:-2])) >= 2 and b[2] >= LAPACK_PARALLEL_WORK]
+    assert not split, split[:3]
+
+
+def test_clients_mapped_in_chunks_give_one_vmaps_fit(monkeypatch):
+    """With the threshold lowered so that every client is its own chunk, a synchronous full-rank fit (3 clients,
+    ``D = 3``) and a committee's local posteriors equal the one-``vmap`` ones up to the order of float32 work
+    (rtol 1e-4). The programs are rebuilt (in-process cache cleared, exported programs forgotten): the patched
+    value is not in their keys."""
+    from numpyro_dppvi import persistent_cache
+    from numpyro_dppvi import program_cache as cache
+    from numpyro_dppvi.pvi import full_rank
+
+    clients = wide_clients(3, 3)
+
+    def fits():
+        cache._PROGRAMS.clear()
+        persistent_cache.forget_exported_programs()
+        pvi = dppvi.fit_dppvi(wide_logistic, clients, family="full_rank", schedule="synchronous", rounds=3,
+                              rng_key=jax.random.key(1))
+        bcm = dppvi.fit_bcm(wide_logistic, clients, family="full_rank", rng_key=jax.random.key(1))
+        return pvi.q, bcm.q
+
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")  # convergence of 3 rounds
+        whole = fits()
+        monkeypatch.setattr(full_rank, "LAPACK_PARALLEL_WORK", 20)
+        assert full_rank.client_chunk(factors.zeros(3, family="full_rank"), 3) == 1
+        chunked = fits()
+    for a, b in zip(jax.tree.leaves(whole), jax.tree.leaves(chunked)):
+        np.testing.assert_allclose(np.asarray(a), np.asarray(b), rtol=1e-4, atol=1e-5)
