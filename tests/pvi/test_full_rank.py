@@ -20,6 +20,7 @@ import numpyro_dppvi as dppvi
 from numpyro_dppvi import factors
 from numpyro_dppvi.pvi.full_rank import newton_step
 
+from .conftest import logistic
 from .numpyro_models import (MODELS, correlated_data, flat_loc, flat_sd, gap, linear, linear_data, linear_exact,
                              nuts_moments, sd_ratios, split)
 
@@ -191,14 +192,6 @@ def test_global_vi_and_bcm_take_the_family():
 
 # --------------------------------------------------------------------------- jaxlib's LAPACK pool (issue 25)
 
-@dppvi.model
-def wide_logistic(x, y=None):
-    w = numpyro.sample("w", dist.Normal(0.0, 1.0).expand([x.shape[1]]).to_event(1))
-    b = numpyro.sample("b", dist.Normal(0.0, 1.0))
-    with numpyro.plate("data", x.shape[0]):
-        numpyro.sample("y", dist.Bernoulli(logits=x @ w + b), obs=y)
-
-
 def wide_clients(dim: int, clients: int, rows: int = 40):
     rng = np.random.default_rng(0)
     x = rng.normal(size=(rows * clients, dim - 1)).astype(np.float32)
@@ -232,7 +225,7 @@ def test_a_round_over_many_dense_clients_keeps_every_lapack_batch_on_the_calling
     privacy = dppvi.Privacy(noise_multiplier=1.0, clip=1.0, accountant="rdp")
     if options.get("method", "pvi") != "pvi" or options.get("privacy_unit"):
         options = dict(options, privacy=privacy)
-    d = dppvi.DPPVI(wide_logistic, family=family, rounds=2, **({"rank": 2} if family == "low_rank" else {}),
+    d = dppvi.DPPVI(logistic, family=family, rounds=2, **({"rank": 2} if family == "low_rank" else {}),
                     **options)
     with warnings.catch_warnings():
         warnings.simplefilter("ignore")  # sizes not declared public
@@ -259,9 +252,9 @@ def test_clients_mapped_in_chunks_give_one_vmaps_fit(monkeypatch):
     def fits():
         cache._PROGRAMS.clear()
         persistent_cache.forget_exported_programs()
-        pvi = dppvi.fit_dppvi(wide_logistic, clients, family="full_rank", schedule="synchronous", rounds=3,
+        pvi = dppvi.fit_dppvi(logistic, clients, family="full_rank", schedule="synchronous", rounds=3,
                               rng_key=jax.random.key(1))
-        bcm = dppvi.fit_bcm(wide_logistic, clients, family="full_rank", rng_key=jax.random.key(1))
+        bcm = dppvi.fit_bcm(logistic, clients, family="full_rank", rng_key=jax.random.key(1))
         return pvi.q, bcm.q
 
     with warnings.catch_warnings():
