@@ -104,7 +104,11 @@ def enable_compilation_cache(path: str | os.PathLike | None = None) -> Path:
     """Turn on JAX's persistent compilation cache in ``path`` (default :func:`default_cache_dir`) for
     every program, however quick to compile; returns the folder. Safe to call more than once.
 
-    Raises ``PermissionError`` for a folder another user could write to (:func:`check_private_folder`)."""
+    Raises ``PermissionError`` for a folder another user could write to (:func:`check_private_folder`), and
+    ``ValueError`` for an empty ``path`` (``Path("")`` is the working directory: the cache would fill it)."""
+    if path is not None and not str(os.fspath(path)).strip():
+        raise ValueError("enable_compilation_cache: the path is empty. Pass a folder, or None for the default "
+                         f"({default_cache_dir()}, or ${CACHE_ENV} if set).")
     folder = Path(path) if path is not None else default_cache_dir()
     folder.mkdir(mode=0o700, parents=True, exist_ok=True)  # this user's: the accountant memo needs it so
     check_private_folder(folder)

@@ -148,6 +148,17 @@ def test_without_the_persistent_cache_nothing_is_stored(store, monkeypatch):
     assert store.traced() == 1 and store.programs() == []
 
 
+@pytest.mark.parametrize("path", ["", "  "])
+def test_an_empty_path_is_refused_not_taken_for_the_working_directory(path, tmp_path, monkeypatch):
+    """``Path("")`` is ``.``: ``enable_compilation_cache("")`` filled the working directory with compiled programs
+    and the accountant's signing key. It now raises, naming the fix, and switches nothing on."""
+    monkeypatch.chdir(tmp_path)
+    previous = jax.config.jax_compilation_cache_dir
+    with pytest.raises(ValueError, match="the path is empty. Pass a folder, or None"):
+        dppvi.enable_compilation_cache(path)
+    assert jax.config.jax_compilation_cache_dir == previous and list(tmp_path.iterdir()) == []
+
+
 _NEW_PROCESS = """
 import sys, jax, numpy as np, optax
 sys.path.insert(0, sys.argv[2])
