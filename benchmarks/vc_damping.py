@@ -35,6 +35,10 @@ damping 0.25, epsilon 8 / 2,000 rows, cover .92 / .52 with RMSE .116; 20 rounds 
 The releases' clip (``--only ROWS,EPSILON,ROUNDS,DAMPING,CLIP``; default 1) decides full-rank at epsilon 1
 (``results/vc_damping_clip.json``, 8 data sets a setting, 20 rounds at damping 0.25): at 10,000 rows clip 0.5 covers
 .94 / .46 with RMSE .063; at 2,000 rows clip 0.25 .88 / .56 with RMSE .307 (clip 1: 4.6; mean-field's default .189).
+On 50 data sets a cell (``results/vc_damping_clip_50.json``, ``--datasets 50 --only 10000,1,20,0.25,0.5
+2000,8,20,0.25,0.5 10000,8,20,0.5,0.5 2000,1,20,0.25,0.25``), every cell covers in the bar: epsilon 1 / 2,000 rows
+(clip 0.25) .86 / .46, RMSE .228 (the default's .189); epsilon 8 / 2,000 (clip 0.5) .90 / .52, .084 (.142); epsilon
+1 / 10,000 (clip 0.5) .91 / .58, .067 (.127); epsilon 8 / 10,000 (clip 0.5, damping 0.5) .92 / .55, .037 (.126).
 
 Run from a checkout: ``python benchmarks/vc_damping.py`` (``--datasets 8``, about 15 minutes on 2 cores);
 ``--only 2000,8,20,0.25 ... --datasets 50 --name vc_damping_50`` re-measures chosen settings on more data sets.
