@@ -38,7 +38,8 @@ The releases' clip (``--only ROWS,EPSILON,ROUNDS,DAMPING,CLIP``; default 1) deci
 On 50 data sets a cell (``results/vc_damping_clip_50.json``, ``--datasets 50 --only 10000,1,20,0.25,0.5
 2000,8,20,0.25,0.5 10000,8,20,0.5,0.5 2000,1,20,0.25,0.25``), every cell covers in the bar: epsilon 1 / 2,000 rows
 (clip 0.25) .86 / .46, RMSE .228 (the default's .189); epsilon 8 / 2,000 (clip 0.5) .90 / .52, .084 (.142); epsilon
-1 / 10,000 (clip 0.5) .91 / .58, .067 (.127); epsilon 8 / 10,000 (clip 0.5, damping 0.5) .92 / .55, .037 (.126).
+1 / 10,000 (clip 0.5) .91 / .58, .067 (.127); epsilon 8 / 10,000 (clip 0.5, damping 0.5) .92 / .55, .037 (.126);
+and at damping 0.25 (``--only 10000,8,20,0.25,0.5``, a second run, its row appended) .87 / .52, .039.
 
 Run from a checkout: ``python benchmarks/vc_damping.py`` (``--datasets 8``, about 15 minutes on 2 cores);
 ``--only 2000,8,20,0.25 ... --datasets 50 --name vc_damping_50`` re-measures chosen settings on more data sets.
