@@ -196,8 +196,8 @@ class ShardRule:
     precision_floor: float = 1e-3
     family: str = "mean_field"  # "full_rank": [D, D] factors, shard proposals by Newton steps (fit_shard)
     rank: int = 0  # family "low_rank": the rank r of the public basis the releases are written in
-    #: Shards per chunk of :func:`map_shards` (None: one ``vmap`` over every shard); the driver sets
-    #: :func:`~numpyro_dppvi.pvi.full_rank.lapack_safe_chunk` for the dense families.
+    #: Shards per chunk of :func:`~numpyro_dppvi.pvi.full_rank.map_in_chunks` (None: one ``vmap`` over every
+    #: shard); the driver sets :func:`~numpyro_dppvi.pvi.full_rank.lapack_safe_chunk` for the dense families.
     shard_chunk: int | None = None
 
     uses_client_cavity = True
@@ -270,9 +270,9 @@ class LocalAveraging(ShardRule):
     def contribution(self, q, cavity, arrays, mask, key, client_state):
         valid_shard = jnp.any(mask, axis=-1)
         num_shards = client_state["num_shards"]
-        q_k, opt = map_shards(lambda a, mk, o, k: self.shard_update(q, cavity, num_shards, a, mk, o, k),
+        q_k, opt = full_rank.map_in_chunks(lambda a, mk, o, k: self.shard_update(q, cavity, num_shards, a, mk, o, k),
                               (arrays, mask, client_state["opt"], self.shard_keys(key, client_state)), self.shard_chunk)
-        deltas = map_shards(lambda a: clip_change(change_of(q, cavity, a), self.clip), (q_k,), self.shard_chunk)
+        deltas = full_rank.map_in_chunks(lambda a: clip_change(change_of(q, cavity, a), self.clip), (q_k,), self.shard_chunk)
         opt = jax.tree.map(lambda new, old: jnp.where(_expand(valid_shard, new), new, old), opt, client_state["opt"])
         return _masked_sum(deltas, valid_shard), dict(client_state, opt=opt)
 
@@ -321,7 +321,7 @@ class VirtualClients(ShardRule):
         mean-field or full-rank change is clipped, summed and released centred on ``q``'s public mean
         (:func:`centre`); the virtual factors take it back in natural parameters (:meth:`from_release`)."""
         valid_shard = jnp.any(mask, axis=-1)
-        q_k, cavity_ok = map_shards(lambda t, a, mk, k: self.shard_update(q, t, a, mk, k),
+        q_k, cavity_ok = full_rank.map_in_chunks(lambda t, a, mk, k: self.shard_update(q, t, a, mk, k),
                                     (client_state["factors"], arrays, mask, self.shard_keys(key, client_state)),
                                     self.shard_chunk)
         use = valid_shard & cavity_ok
@@ -340,10 +340,6 @@ class VirtualClients(ShardRule):
         """Eq. (1) of :mod:`.release_noise`: the factor took ``rho xi_m`` when the update was accepted, released
         centred on ``q``'s mean."""
         return release_noise.carried(client_state, self.damping, accepted, self.release_centre(q))
-
-
-#: The shards of a client mapped in chunks (:func:`~numpyro_dppvi.pvi.full_rank.map_in_chunks`).
-map_shards = full_rank.map_in_chunks
 
 
 def fit_shard(rule, q, cavity, arrays, mask, n_eff, key, opt_state=None):

@@ -268,19 +268,19 @@ def test_lapack_safe_chunk_is_the_largest_batch_under_jaxlibs_parallel_threshold
             assert k == 1
 
 
-def test_map_shards_equals_one_vmap_whatever_the_chunk():
+def test_map_in_chunks_equals_one_vmap_whatever_the_chunk():
     """Chunks that do not divide the shards (7 shards in chunks of at most 3: three chunks of 3, one padded
     copy dropped) give the same values as one vmap, keys included."""
-    from numpyro_dppvi.pvi.update_perturbation import map_shards
+    from numpyro_dppvi.pvi.full_rank import map_in_chunks
 
     def fn(a, k):
         return {"x": jnp.linalg.cholesky(a @ a.T + jnp.eye(3)), "draw": jax.random.normal(k, (2,))}
 
     a = jax.random.normal(jax.random.key(0), (7, 3, 3))
     keys = jax.vmap(lambda i: jax.random.fold_in(jax.random.key(1), i))(jnp.arange(7))
-    whole = map_shards(fn, (a, keys), None)
+    whole = map_in_chunks(fn, (a, keys), None)
     for chunk in (1, 3, 7, 100):
-        chunked = map_shards(fn, (a, keys), chunk)
+        chunked = map_in_chunks(fn, (a, keys), chunk)
         assert jax.tree.map(jnp.shape, chunked) == jax.tree.map(jnp.shape, whole)
         jax.tree.map(lambda u, v: np.testing.assert_allclose(u, v, rtol=1e-6, atol=1e-6), chunked, whole)
 
