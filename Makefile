@@ -22,9 +22,10 @@ $(STAMP) $(DOCS_STAMP): pyproject.toml
 demo: $(STAMP)
 	$(BIN)/dppvi demo
 
-# one worker per core, each test file in one worker (its module fixtures built once, its tests in order)
+# one worker per core, each test file in one worker (its module fixtures built once, its tests in order); the 25
+# slowest tests listed at the end (the suite's time: README.md)
 test: $(STAMP)
-	$(BIN)/python -m pytest -q -ra -n auto --dist loadfile
+	$(BIN)/python -m pytest -q -ra -n auto --dist loadfile --durations=25
 
 test-fast: $(STAMP)
 	$(BIN)/python -m pytest -q -m "not slow" -n auto --dist loadfile
