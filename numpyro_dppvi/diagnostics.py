@@ -22,6 +22,16 @@ one is ``c_i = k |m_i| / sum_{j<k} r_i^-j`` and the remaining distance ``c_i r_i
 :data:`CONVERGED_SD`. With a single window (fewer than ``2k`` rounds) the remaining distance of a
 drifting coordinate is only known to be at least ``|m_i|``: the fit is not converged when that
 exceeds :data:`CONVERGED_SD`, undetermined (``None``) otherwise.
+
+A private fit's steps carry its noise, and it has few rounds: from ``k = 5`` steps each coordinate's variance
+has 4 df. Its drift test moderates the variances (:func:`moderated_variances`: each shrunk towards its group's,
+the means' or the log scales', by an empirical Bayes estimate, Smyth 2004), which gives the t statistics more
+df where the coordinates' noise is alike. Measured on virtual clients at their defaults (coverage study,
+epsilon 8, 10,000 rows, 10 data sets, 10 rounds; the q each fit settles at from 60 rounds of the same noise):
+of the 5 fits that ended 0.7-5.5 sd from it without a warning, 2 now warn (0.74 and 5.5 sd off); the other 3
+(2.4-3.7 sd) stop where their steps reverse, after overshooting, and no test of the steps sees the distance. On
+independent noise whose sds differ up to 2x between coordinates, 7-7.5% of 10-round fits are flagged (the
+per-coordinate test: 4-6%).
 """
 
 from __future__ import annotations
@@ -32,7 +42,7 @@ import sys
 import warnings
 
 import numpy as np
-from scipy import stats
+from scipy import special, stats
 
 from . import factors
 
@@ -128,7 +138,8 @@ def change(before: tuple, after: tuple) -> float:
     return float(np.max(np.abs(steps_in_sd([before, after])), initial=0.0))
 
 
-def convergence(trajectory: list, window: int = WINDOW, max_jitter: float | None = None) -> dict:
+def convergence(trajectory: list, window: int = WINDOW, max_jitter: float | None = None,
+                moderated: bool = False) -> dict:
     """Convergence summary of the last ``2 * window + 1`` states ``(mu, log s)`` (fewer: fewer checks).
 
     Returns ``{"rounds_checked": rounds seen, "change": last max step, "jitter": the largest sd of a
@@ -137,6 +148,7 @@ def convergence(trajectory: list, window: int = WINDOW, max_jitter: float | None
     "converged": bool, or None when fewer than 3 rounds were seen, "oscillating": jitter above
     ``max_jitter``}``. ``max_jitter`` (non-private fits: :data:`MAX_JITTER_SD`; ``None`` for noisy
     fits, whose steps carry the privacy noise): a fit whose steps jitter more is not converged.
+    ``moderated`` (private fits): the drift test's variances are :func:`moderated_variances`.
     """
     out = {"rounds_checked": len(trajectory) - 1, "change": None, "jitter": None, "oscillating": False, "drifting": 0,
            "rate": None, "distance": None, "converged": None, "drifting_coordinates": []}
@@ -151,7 +163,11 @@ def convergence(trajectory: list, window: int = WINDOW, max_jitter: float | None
     mean = recent.mean(0)
     spread = recent.std(0, ddof=1)
     out["jitter"] = float(np.max(spread))
-    t = stats.t.ppf(1.0 - FALSE_ALARM / (2.0 * d.shape[1]), k - 1)
+    dof = k - 1
+    if moderated:
+        variance, dof = moderated_variances(recent)
+        spread = np.sqrt(variance)
+    t = stats.t.ppf(1.0 - FALSE_ALARM / (2.0 * d.shape[1]), np.minimum(dof, 1e6))
     drifting = np.abs(mean) > t * spread / math.sqrt(k)
     out["drifting"] = int(drifting.sum())
     out["drifting_coordinates"] = sorted({int(i) % len(trajectory[0][0]) for i in np.flatnonzero(drifting)})
@@ -174,6 +190,55 @@ def convergence(trajectory: list, window: int = WINDOW, max_jitter: float | None
     if max_jitter is not None and out["jitter"] is not None and out["jitter"] > max_jitter:
         out["oscillating"], out["converged"] = True, False
     return out
+
+
+def moderated_variances(recent: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
+    """Per coordinate, the variance of the steps ``recent`` (``[k, 2D]``: means, then log scales) shrunk
+    towards its group's, and the degrees of freedom of the drift test's t statistic with it, the moderated t
+    statistic of Smyth (2004), "Linear models and empirical Bayes methods for assessing differential expression
+    in microarray experiments", Stat. Appl. Genet. Mol. Biol. 3(1), eqs. (3)-(4) and section 6.2:
+
+        s~_i^2 = (d s_i^2 + d_0 s_0^2) / (d + d_0),   t_i = m_i / (s~_i / sqrt(k)),   d + d_0 df,
+
+    with ``s_i^2`` the coordinate's sample variance on ``d = k - 1`` df and ``(s_0^2, d_0)`` estimated from the
+    group's (the means' or the log scales') ``log s_i^2`` by moments: ``trigamma(d_0 / 2) = var(log s_i^2) -
+    trigamma(d / 2)`` (``d_0`` infinite when that is not positive: the variances differ no more than sampling
+    does) and ``log s_0^2 = mean(log s_i^2) - digamma(d / 2) + log(d / 2) + digamma(d_0 / 2) - log(d_0 / 2)``.
+    Variances that differ widely give a small ``d_0`` and little shrinkage. A private fit's steps are mostly
+    its noise, whose variance differs between coordinates, but within a group not by orders of magnitude;
+    from ``k = 5`` steps (10 rounds) a per-coordinate t statistic has 4 df and needs ``|t| > 6.1`` at 12
+    coordinates, so a mean still moving 0.2 sd a round went unflagged while 4-6 sd from where more rounds took it
+    (virtual clients, 10 rounds)."""
+    k, width = recent.shape
+    d = k - 1
+    variance = np.maximum(recent.var(0, ddof=1), np.finfo(np.float64).tiny)
+    moderated, dof = np.empty_like(variance), np.empty_like(variance)
+    groups = np.arange(width) // max(width // 2, 1)
+    for g in np.unique(groups):
+        inside = groups == g
+        logs = np.log(variance[inside])
+        excess = (logs.var(ddof=1) if logs.size > 1 else 0.0) - special.polygamma(1, d / 2.0)
+        if excess > 0:
+            d0 = 2.0 * inverse_trigamma(excess)
+            log_s0 = logs.mean() - special.digamma(d / 2.0) + math.log(d / 2.0) + special.digamma(d0 / 2.0) - math.log(d0 / 2.0)
+            moderated[inside] = (d * variance[inside] + d0 * math.exp(log_s0)) / (d + d0)
+        else:  # d_0 infinite: the group's common variance, from the mean of log s_i^2
+            d0 = np.inf
+            moderated[inside] = math.exp(logs.mean() - special.digamma(d / 2.0) + math.log(d / 2.0))
+        dof[inside] = min(d + d0, d * int(inside.sum()))  # s_0^2 is itself estimated: at most the group's df
+    return moderated, dof
+
+
+def inverse_trigamma(y: float) -> float:
+    """``x`` with ``trigamma(x) = y`` (``y > 0``), by Newton's method on ``1 / trigamma`` (Smyth 2004, section 6.2)."""
+    x = 0.5 + 1.0 / y if y < 1e6 else 1.0 / math.sqrt(y)
+    for _ in range(50):
+        tri = float(special.polygamma(1, x))
+        step = tri * (1.0 - tri / y) / float(special.polygamma(2, x))
+        x += step
+        if -step / x < 1e-8:
+            break
+    return x
 
 
 def rate_within(recent: np.ndarray) -> np.ndarray:

@@ -738,8 +738,9 @@ class DPPVI:
         """:func:`diagnostics.convergence` of the last states, with the sites of drifting coordinates and of
         the updates that failed over the last ``2 * WINDOW`` rounds: a fit whose updates failed there is not
         converged, whatever q's steps say (a dropped update does not move q)."""
-        summary = diagnostics.convergence(list(trajectory),
-                                          max_jitter=diagnostics.MAX_JITTER_SD if self.plan is None else None)
+        private = self.plan is not None
+        summary = diagnostics.convergence(list(trajectory), max_jitter=None if private else diagnostics.MAX_JITTER_SD,
+                                          moderated=private)
         summary["drifting_sites"] = self.adapter.sites_of(summary.pop("drifting_coordinates"))
         recent = history[-2 * diagnostics.WINDOW:]
         summary["failed_updates"] = sum(len(entry.get("failed", [])) for entry in recent)
