@@ -336,8 +336,14 @@ PRIVATE_DRIFT_ADVICE = ("Plan more rounds in a new fit (rounds=..., its noise ca
                         "this one's on the same data; resuming cannot add rounds to a spent budget){faster}")
 
 
+#: Drift advice for private virtual clients: a virtual factor moves at most ``damping * clip`` a round
+#: (benchmarks/vc_damping.py, results/vc_damping_travel.json).
+TRAVEL_ADVICE = ("; a virtual factor moves at most damping x Privacy.clip a round, so damping x clip x rounds is "
+                 "how far it can travel, and the noise grows with it too (docs/guide.md, virtual clients: travel)")
+
+
 def convergence_advice(caller: str, schedule: str | None, family: str = "mean_field",
-                       private: bool = False) -> tuple[str, str]:
+                       private: bool = False, method: str | None = None) -> tuple[str, str]:
     """``(drift advice, jitter advice)`` of a ConvergenceWarning, in the options of ``caller``."""
     sequential = schedule == "sequential"
     faster = ", or more `local_steps`" if sequential else ", or use schedule='sequential' or a larger `damping` for faster rounds"
@@ -346,4 +352,6 @@ def convergence_advice(caller: str, schedule: str | None, family: str = "mean_fi
     drift = template.format(faster=faster)
     if family == "mean_field" and not private and caller != "fit_bcm":
         drift += FULL_RANK_ADVICE
+    if private and method == "virtual_clients":
+        drift += TRAVEL_ADVICE
     return drift, JITTER_ADVICE[caller].format(calmer=calmer)

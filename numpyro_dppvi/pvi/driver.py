@@ -683,7 +683,7 @@ class DPPVI:
         if rounds:
             diagnostics.warn_if_unconverged(self.convergence, self.caller,
                                             *convergence_advice(self.caller, self.schedule, self.family,
-                                                                private=self.plan is not None))
+                                                                private=self.plan is not None, method=self.method))
         return result
 
     def _warn_if_noise_widens(self, state: PVIState) -> None:

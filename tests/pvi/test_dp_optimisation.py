@@ -223,6 +223,10 @@ def test_a_resume_past_a_spent_budget_says_so_and_stops(tmp_path):
     drift, _ = convergence_advice("fit_dppvi", "sequential", private=True)
     assert "resume=checkpoint" not in drift and "new fit" in drift
     assert "resume=checkpoint" in convergence_advice("fit_dppvi", "sequential")[0]
+    # virtual clients: how far a factor can travel (damping x clip a round) is named; other methods do not have it
+    assert "damping x Privacy.clip" in convergence_advice("fit_dppvi", "synchronous", private=True,
+                                                          method="virtual_clients")[0]
+    assert "Privacy.clip" not in drift
 
 
 def test_private_method_argument_errors():
