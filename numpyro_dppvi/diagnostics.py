@@ -208,7 +208,8 @@ def moderated_variances(recent: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
     group's (the means' or the log scales') ``log s_i^2`` by moments: ``trigamma(d_0 / 2) = var(log s_i^2) -
     trigamma(d / 2)`` (``d_0`` infinite when that is not positive: the variances differ no more than sampling
     does) and ``log s_0^2 = mean(log s_i^2) - digamma(d / 2) + log(d / 2) + digamma(d_0 / 2) - log(d_0 / 2)``.
-    Variances that differ widely give a small ``d_0`` and little shrinkage. A private fit's steps are mostly
+    Variances that differ widely give a small ``d_0`` and little shrinkage; a group of one coordinate (``D = 1``)
+    keeps its own variance on ``d`` df, the plain test. A private fit's steps are mostly
     its noise, whose variance differs between coordinates, but within a group not by orders of magnitude;
     from ``k = 5`` steps (10 rounds) a per-coordinate t statistic has 4 df and needs ``|t| > 6.1`` at 12
     coordinates, so a mean still moving 0.2 sd a round went unflagged while 4-6 sd from where more rounds took it
@@ -220,8 +221,11 @@ def moderated_variances(recent: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
     groups = np.arange(width) // max(width // 2, 1)
     for g in np.unique(groups):
         inside = groups == g
+        if inside.sum() == 1:  # a one-coordinate group (D = 1): nothing to pool with, the plain t test
+            moderated[inside], dof[inside] = variance[inside], d
+            continue
         logs = np.log(variance[inside])
-        excess = (logs.var(ddof=1) if logs.size > 1 else 0.0) - special.polygamma(1, d / 2.0)
+        excess = logs.var(ddof=1) - special.polygamma(1, d / 2.0)
         if excess > 0:
             d0 = 2.0 * inverse_trigamma(excess)
             log_s0 = logs.mean() - special.digamma(d / 2.0) + math.log(d / 2.0) + special.digamma(d0 / 2.0) - math.log(d0 / 2.0)

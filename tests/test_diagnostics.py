@@ -98,6 +98,9 @@ pulled up by the group's)."""
     own = spread.var(0, ddof=1)
     assert np.all(dof < 4 + 1.0)  # d_0 about 0.25 (measured)
     assert np.allclose(variance[[4, 5, 10, 11]] / own[[4, 5, 10, 11]], 1.0, atol=0.1)  # the two largest of each group
+    one = rng.normal(size=(5, 2))  # D = 1: one mean, one log scale, nothing to pool: the plain test
+    variance, dof = diagnostics.moderated_variances(one)
+    assert np.allclose(variance, one.var(0, ddof=1)) and np.all(dof == 4)
 
 
 def test_few_rounds_are_undetermined_or_flagged():
