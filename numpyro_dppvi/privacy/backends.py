@@ -171,8 +171,8 @@ def pld_grid_points(noise_multiplier: float, neighbouring: str, discretization: 
     """An upper estimate of the points of one Gaussian release's PLD: its privacy loss
     ``(x - 1/2) / s^2`` (``s`` the noise std in units of the sensitivity) over ``x`` within 10 sds of either
     mean spans ``20 / s + 1 / s^2``, divided by the grid's ``discretization``."""
-    s = _unit(neighbouring) * noise_multiplier
-    return (20.0 / s + 1.0 / s**2) / discretization
+    inverse = 1.0 / (_unit(neighbouring) * noise_multiplier)  # inf for a subnormal s, 0 for a huge one: no overflow
+    return (20.0 * inverse + inverse * inverse) / discretization
 
 
 def check_pld_size(events, neighbouring: str, discretization: float) -> None:
