@@ -171,7 +171,7 @@ def convergence(trajectory: list, window: int = WINDOW, max_jitter: float | None
     if moderated:
         variance, dof = moderated_variances(recent)
         spread = np.sqrt(variance)
-    t = stats.t.ppf(1.0 - FALSE_ALARM / (2.0 * d.shape[1]), np.minimum(dof, 1e6))
+    t = stats.t.ppf(1.0 - FALSE_ALARM / (2.0 * d.shape[1]), dof)
     drifting = np.abs(mean) > t * spread / math.sqrt(k)
     out["drifting"] = int(drifting.sum())
     out["drifting_coordinates"] = sorted({int(i) % len(trajectory[0][0]) for i in np.flatnonzero(drifting)})
