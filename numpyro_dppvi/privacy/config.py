@@ -45,6 +45,22 @@ def _optional_positive(name, value):
     return value
 
 
+class _DefaultClip(float):
+    """The clip a :class:`Privacy` holds when ``clip`` is left out: 1.0 for every purpose, and recognisable as not
+    chosen (:attr:`Privacy.clip_chosen`), so that a method with a rule of its own (virtual clients with full-rank
+    factors, :func:`~numpyro_dppvi.pvi.defaults.virtual_clip`) may replace it before anything is released."""
+
+    def __repr__(self):
+        return "1.0"
+
+    def __reduce__(self):
+        return (_DefaultClip, (float(self),))
+
+
+#: ``Privacy.clip`` when it is left out (1.0).
+DEFAULT_CLIP = _DefaultClip(1.0)
+
+
 #: The clipping of per-example gradients when none is chosen (``Privacy(adaptive_clip="auto")``): Andrew et al.'s
 #: private quantile estimate at the 0.98 quantile of the norms. Measured on the coverage study's logistic regression
 #: (``benchmarks/coverage.py``, 20 data sets a cell, DP optimisation): 90% intervals cover 0.82-0.92 with it and
@@ -78,7 +94,9 @@ class Privacy:
       epsilon: total budget per client (the fit's overall guarantee is the max over clients).
         Give this *or* ``noise_multiplier`` (both: the noise is used and checked to meet it).
       delta: target delta in (0, 1).
-      clip: L2 clip norm ``C`` of per-example gradients (or updates) > 0.
+      clip: L2 clip norm ``C`` of per-example gradients (or updates) > 0. Left out: 1.0 (:data:`DEFAULT_CLIP`),
+        except for virtual clients with full-rank factors, which choose it from the noise and the planned shards
+        (:func:`~numpyro_dppvi.pvi.defaults.virtual_clip`; the fit's ``config`` says which).
       noise_multiplier: noise std / ``C`` (user-facing DP-SGD convention).
       sampling: ``"poisson"`` (padded Poisson batches, default) or ``"without_replacement"``
         (fixed-size batches drawn afresh each step; needs ``neighbouring="substitute"``).
@@ -126,7 +144,7 @@ class Privacy:
 
     epsilon: float | None = None
     delta: float = 1e-5
-    clip: float = 1.0
+    clip: float = DEFAULT_CLIP
     noise_multiplier: float | None = None
     sampling: str = "poisson"
     neighbouring: str = "add_remove"
@@ -146,7 +164,8 @@ class Privacy:
                 "(noise std / clip) to read epsilon from the ledger."
             )
         set_(self, "delta", backends.check_delta(self.delta))
-        set_(self, "clip", _optional_positive("clip", self.clip))
+        if not isinstance(self.clip, _DefaultClip):
+            set_(self, "clip", _optional_positive("clip", self.clip))
         if self.clip is None:
             raise ValueError("clip must be a finite number > 0.")
         if self.sampling not in _SAMPLERS:
@@ -177,6 +196,11 @@ class Privacy:
         if self.adaptive_clip != "auto":
             return self
         return dataclasses.replace(self, adaptive_clip=AUTO_CLIP if per_example else None)
+
+    @property
+    def clip_chosen(self) -> bool:
+        """Whether ``clip`` was given (``Privacy(clip=1.0)`` is chosen; ``Privacy()`` holds :data:`DEFAULT_CLIP`)."""
+        return not isinstance(self.clip, _DefaultClip)
 
     @property
     def adaptive(self) -> AdaptiveClip | None:

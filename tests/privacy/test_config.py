@@ -133,3 +133,23 @@ def test_hostile_inputs_either_raise_clearly_or_give_a_valid_config(
     assert p.epsilon_max is None or all(
         math.isfinite(v) and v > 0
         for v in ((p.epsilon_max,) if isinstance(p.epsilon_max, float) else p.epsilon_max))
+
+
+def test_a_clip_left_out_is_one_and_known_as_not_chosen():
+    """``Privacy()``'s clip is 1.0 for every purpose (sensitivity, equality, hashing, JSON), and known as not chosen
+    through copies, pickling and ``dataclasses.replace`` (a method with a clip rule of its own, virtual clients with
+    full-rank factors, replaces only that one); ``clip=1.0`` written out is chosen."""
+    import copy
+    import dataclasses
+    import json
+    import pickle
+
+    left_out, given = Privacy(epsilon=1.0), Privacy(epsilon=1.0, clip=1.0)
+    assert left_out.clip == 1.0 and left_out.sensitivity == 1.0 and json.dumps(left_out.clip) == "1.0"
+    assert left_out == given and hash(left_out) == hash(given) and repr(left_out) == repr(given)
+    assert not left_out.clip_chosen and given.clip_chosen and Privacy(noise_multiplier=1.0, clip=2).clip_chosen
+    for copied in (copy.deepcopy(left_out), pickle.loads(pickle.dumps(left_out)),
+                   dataclasses.replace(left_out, adaptive_clip=None)):
+        assert not copied.clip_chosen and copied.clip == 1.0
+    assert dataclasses.replace(left_out, clip=0.25).clip_chosen
+    assert type(left_out.clip * 2) is float
