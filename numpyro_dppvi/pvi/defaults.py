@@ -70,6 +70,42 @@ NEWTON_MAX_DIM = 32
 #: likelihood), 0.98x with 20 steps, whose RMS error is also smaller (0.060 against 0.079); with 20 rounds of 10 steps
 #: instead, 1.44x.
 PRIVATE_NEWTON_DEFAULTS = dict(damping=1.0, tail_average=0.5, local_steps=20)
+#: Virtual clients with full-rank factors (issue 23): the family when ``family`` is left out, for models of up to
+#: :data:`NEWTON_MAX_DIM` latent dimensions whose clients each release their own update (no trusted aggregator) and
+#: a noise-aware posterior (``noise_aware`` not False); with them 20 rounds at damping 0.25 and the clip of
+#: :func:`virtual_clip` unless given. A full precision holds the curvature whose lack made mean-field virtual clients'
+#: intervals miss (``pvi.release_noise``, eq. 3), and 20 rounds at 0.25 let the factors arrive
+#: (``benchmarks/vc_damping.py``). Measured on ``benchmarks/coverage.py`` (docs/guide.md, section 4).
+VIRTUAL_FULL_RANK_DEFAULTS = dict(rounds=20, damping=0.25)
+#: :func:`virtual_clip`'s largest clip: ``rho C R = 2.5`` of travel at the defaults above, what the coverage study's
+#: one-record factors need where the noise is small (clip 0.35, travel 1.75: epsilon 8 / 10,000 rows covered .50 /
+#: .17 on 8 data sets; clip 0.5: .87 / .52 on 50). A model with larger one-record factors needs more: pass ``clip``.
+VIRTUAL_CLIP_MAX = 0.5
+#: :func:`virtual_clip`'s bound on the release's noise per record, ``sigma C / N``: where the noise per record is
+#: large a factor that has not arrived costs less than the noise a longer travel brings (epsilon 1 / 2,000 rows:
+#: clip 0.5 covered .81 / .45 with RMSE .339, clip 0.35 .86 / .46 with .263, clip 0.25 .86 / .46 with .228, 50 data
+#: sets each). The four cells of the coverage study are in the bar for any value in [0.0084, 0.029] (0.0084: clip
+#: 0.5 at epsilon 1 / 10,000 rows; 0.029: clip 0.35 at epsilon 1 / 2,000 rows); 0.02 is the clip 0.25 measured.
+VIRTUAL_NOISE_PER_RECORD = 0.02
+
+
+def virtual_clip(noise_multiplier: float, shards) -> float:
+    """The clip of full-rank virtual clients' releases when ``Privacy.clip`` is left out:
+
+        C = min(VIRTUAL_CLIP_MAX, VIRTUAL_NOISE_PER_RECORD * mean(N_m) / sigma)
+
+    with ``sigma`` the calibrated noise multiplier (noise std / clip; it does not depend on the clip) and ``N_m`` the
+    planned shards of client ``m`` (one record each by default). Both are public (the ledger's events, the fit's
+    settings), so ``C`` is a public constant fixed before anything is released: every sensitivity argument of
+    :mod:`.update_perturbation` holds as for a given clip. At epsilon 1 with 200 rows a client, 20 rounds (sigma
+    16.7): 0.24; at epsilon 8, or with 1,000 rows a client: 0.5."""
+    shards = [float(n) for n in shards]
+    if not shards or not all(n > 0 for n in shards) or not noise_multiplier > 0:
+        raise ValueError(f"virtual_clip needs a positive noise multiplier and shard counts, got {noise_multiplier} "
+                         f"and {shards[:10]}")
+    return float(min(VIRTUAL_CLIP_MAX, VIRTUAL_NOISE_PER_RECORD * sum(shards) / len(shards) / noise_multiplier))
+
+
 #: Share of all client updates that may fail (non-finite, dropped) before a fit warns even when none
 #: failed in its last rounds.
 FAILED_UPDATES_TOLERATED = 0.05

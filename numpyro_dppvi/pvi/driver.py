@@ -39,9 +39,10 @@ from ..results import DPPVIResult
 from . import noise_aware, release_noise
 from . import plan as plan_module
 from . import resume as resume_module
-from .defaults import (DEFAULT_LOCAL_STEPS, DEFAULT_OPTIMIZER, FAILED_UPDATES_TOLERATED,
+from .defaults import (DEFAULT_LOCAL_STEPS, DEFAULT_OPTIMIZER, DEFAULT_ROUNDS, FAILED_UPDATES_TOLERATED,
                        METHOD_DEFAULTS, METHODS, NEWTON_MAX_DIM, PRIVATE_NEWTON_DEFAULTS,
-                       MIN_ROUNDS, PRIVACY_UNITS, UPDATE_METHODS, default_schedule, did_you_mean, shards_of_batch)
+                       MIN_ROUNDS, PRIVACY_UNITS, UPDATE_METHODS, VIRTUAL_FULL_RANK_DEFAULTS, default_schedule,
+                       did_you_mean, shards_of_batch, virtual_clip)
 from .local import releases_pairs
 from .plan import RoundSpec, model_adapter, round_program
 from .privacy_plan import check_subsampled
@@ -99,8 +100,10 @@ class DPPVI:
             ``method="pvi"`` local steps; clients sampled with probability ``client_rate``).
         tail_average: the share of the last local iterates whose mean is the client's answer (default
             0.5 for ``"pvi"``, 0 otherwise; :func:`~numpyro_dppvi.pvi.local.optimise`).
-        family: the Gaussian family of ``q`` and of every factor: ``"mean_field"`` (default: independent
-            coordinates, ``O(D)`` per factor) or ``"full_rank"`` (a full precision matrix, ``O(D^2)``
+        family: the Gaussian family of ``q`` and of every factor: ``"mean_field"`` (the default: independent
+            coordinates, ``O(D)`` per factor; left out, private virtual clients of up to
+            :data:`~.defaults.NEWTON_MAX_DIM` latents with a noise-aware posterior take ``"full_rank"`` and its
+            measured defaults, :meth:`_resolve_virtual_defaults`) or ``"full_rank"`` (a full precision matrix, ``O(D^2)``
             memory per client and ``O(D^3)`` per step; local steps by :class:`~numpyro_dppvi.optim.Newton`,
             :mod:`~numpyro_dppvi.pvi.full_rank`). Mean-field under-states the sds of correlated posteriors
             (docs/guide.md, "Choosing the family"). ``"full_rank"`` is available without privacy
@@ -126,9 +129,13 @@ class DPPVI:
                  server_steps: int = 50, privacy=None, rounds: int | None = None, shards=None,
                  invalid: str | None = None, precision_floor: float | None = None, trusted_aggregator: bool = False,
                  privacy_unit: str = "example", client_rate: float = 1.0, tail_average: float | None = None,
-                 family: str = "mean_field", rank: int | None = None, noise_aware: bool | None = None):
+                 family: str | None = None, rank: int | None = None, noise_aware: bool | None = None):
         if method not in METHODS:
             raise ValueError(f"unknown method {method!r}{did_you_mean(method, METHODS)}; choose one of {METHODS}")
+        # virtual clients without a family or optimizer: the family is chosen by the model's dimension once the
+        # model is traced (_resolve_virtual_defaults); mean-field until then and for every other method
+        self.auto_family = family is None and method == "virtual_clients" and optimizer is None
+        family = "mean_field" if family is None else family
         factors.check_family(family, "DPPVI")
         if rank is not None and family != "low_rank":
             raise ValueError(f"rank= sets the rank of family='low_rank'; family={family!r} has none")
@@ -162,6 +169,10 @@ class DPPVI:
                                                                                                  "full_rank")
         self.given = {"damping": damping, "tail_average": tail_average, "noise_aware": noise_aware,
                       "local_steps": local_steps}
+        #: fit_dppvi sets it when ``rounds`` was left out and the method's default depends on the model
+        #: (virtual clients: :data:`~.defaults.VIRTUAL_FULL_RANK_DEFAULTS`); ``planned_rounds`` is then resolved
+        #: with the family (:meth:`_resolve_virtual_defaults`)
+        self.auto_rounds = False
         if isinstance(optimizer, PrivateNewton) and (method != "dp_optimisation" or family == "low_rank"):
             raise ValueError("optim.PrivateNewton is the local step of method='dp_optimisation' with family "
                              "'mean_field' or 'full_rank'; leave optimizer out for the method's default")
@@ -303,6 +314,8 @@ class DPPVI:
             self.rank = factors.resolved_rank(a.dim, self.rank)
         if self.auto_local_step:
             self._resolve_local_step(a.dim)
+        if self.method == "virtual_clients":
+            self._resolve_virtual_defaults(a.dim)
         pair = releases_pairs(self.optimizer, self.family)
         rank = self.rank or 0
         dimension = (objectives.release_dimension(a.dim, self.num_samples, pair)
@@ -320,6 +333,11 @@ class DPPVI:
         self.public_sizes = np.asarray(sizes, int)
         # the noise is calibrated by init, while the programs compile (_calibrate): they take it as an input
         self.plan, self.rule = plan_module.privacy_plan_and_rule(self, sizes, dimension, calibrate=False)
+        if self.virtual_full_rank and not p.clip_chosen:  # the clip from the (public) noise and shard counts
+            self.plan.calibrate(self.planned_rounds)
+            clip = virtual_clip(float(np.max(self.plan.noise_multipliers)), self.num_shards)
+            self.privacy = p = dataclasses.replace(p, clip=clip)
+            self.plan, self.rule = plan_module.privacy_plan_and_rule(self, sizes, dimension, calibrate=False)
         self.server_step = plan_module.server_factor_step(self)
         self.spec = RoundSpec(self.rule, self.server_step, self.schedule, self.damping, self.privacy_unit,
                               self.trusted_aggregator, self.client_rate, None if p is None else p.clip, self.invalid,
@@ -491,6 +509,30 @@ class DPPVI:
                 self.ledger.record(m, self.plan.event(m, 1))
         return q_m
 
+    @property
+    def virtual_full_rank(self) -> bool:
+        """Virtual clients with full-rank factors and a noise-aware posterior: the fits
+        :data:`~.defaults.VIRTUAL_FULL_RANK_DEFAULTS` and :func:`~.defaults.virtual_clip` are measured for."""
+        return self.method == "virtual_clients" and self.family == "full_rank" and self.noise_aware
+
+    def _resolve_virtual_defaults(self, dim: int):
+        """Virtual clients' defaults by the model's dimension ``D`` (issue 23). Without a family or optimizer, up to
+        :data:`~.defaults.NEWTON_MAX_DIM` latents, each client releasing its own update and the posterior
+        noise-aware: full-rank factors with Newton steps (the full precision holds the curvature whose lack makes
+        mean-field intervals miss, ``pvi.release_noise`` eq. 3); above it, with a trusted aggregator or
+        ``noise_aware=False``, mean-field with the method's defaults. A noise-aware full-rank fit then takes
+        :data:`~.defaults.VIRTUAL_FULL_RANK_DEFAULTS` (20 rounds when ``fit_dppvi`` chose the rounds, damping 0.25)
+        and, unless ``Privacy.clip`` was given, :func:`~.defaults.virtual_clip` (set once the shards are laid out).
+        Options the caller set are kept."""
+        if self.auto_family and dim <= NEWTON_MAX_DIM and self.noise_aware:
+            self.family = "full_rank"
+            self.optimizer = Newton()
+        full = self.virtual_full_rank
+        if full and self.given["damping"] is None:
+            self.damping = float(VIRTUAL_FULL_RANK_DEFAULTS["damping"])
+        if self.auto_rounds and self.planned_rounds is None:
+            self.planned_rounds = int(VIRTUAL_FULL_RANK_DEFAULTS["rounds"]) if full else DEFAULT_ROUNDS
+
     def _resolve_local_step(self, dim: int):
         """DP optimisation's local step when no optimizer is given, by the model's dimension ``D``
         (:data:`~.defaults.NEWTON_MAX_DIM`): :class:`~numpyro_dppvi.optim.PrivateNewton` with the noise-aware
@@ -623,7 +665,7 @@ class DPPVI:
         if stop_when_converged and self.plan is not None:
             raise ValueError("stop_when_converged is for non-private fits: a private fit spends its budget over "
                              "the rounds it was calibrated for")
-        if int(rounds) != rounds or rounds < 0:
+        if rounds is not None and (int(rounds) != rounds or rounds < 0):
             raise ValueError(f"rounds must be a non-negative integer, got {rounds!r}")
         if state is None:
             state = self.init(rng_key, clients)
@@ -634,6 +676,10 @@ class DPPVI:
                 if ledger is None:
                     raise ValueError("resuming a private fit needs its ledger so spent budget is kept")
                 self.ledger = ledger
+        if rounds is None:  # the planned rounds, once the model's defaults are resolved (fit_dppvi's rounds=None)
+            if self.planned_rounds is None:
+                raise ValueError("rounds must be a non-negative integer, got None")
+            rounds = self.planned_rounds
         state = committed(state)  # as every round's output is: eager work on the state compiles one program for both
         history = list(history or [])
         private_history = list(private_history or [])

@@ -40,7 +40,9 @@ def fit_dppvi(model, clients, *, method: str = "pvi", schedule: str | None = Non
     Defaults (:data:`METHOD_DEFAULTS`): ``schedule`` sequential for ``"pvi"`` and ``"dp_optimisation"``,
     synchronous otherwise; ``rounds=None``: non-private fits run until ``q`` has converged (checked
     from round :data:`MIN_ROUNDS`, at most :data:`MAX_ROUNDS`; ``result.rounds`` says how many ran),
-    private ones 10 rounds (their noise is calibrated to the planned rounds).
+    private ones 10 rounds (their noise is calibrated to the planned rounds), but private virtual clients with
+    full-rank factors 20 (:data:`~numpyro_dppvi.pvi.defaults.VIRTUAL_FULL_RANK_DEFAULTS`: their default up to
+    :data:`~numpyro_dppvi.pvi.defaults.NEWTON_MAX_DIM` latent dimensions, each client releasing its own update).
 
     ``rng_key``: leave it out for a private fit. The fit then draws its key from the operating system
     and the noise cannot be recomputed by anyone. A key you pass makes the fit reproducible, and the
@@ -62,7 +64,9 @@ def fit_dppvi(model, clients, *, method: str = "pvi", schedule: str | None = Non
             "epsilon", "delta", "clip", "noise_multiplier"} else ""
         raise TypeError(f"fit_dppvi() got unexpected option(s) {sorted(unknown)}{hint}")
     until_converged = False
-    if rounds is None:
+    # private virtual clients: the planned rounds follow the family, chosen by the model's dimension (DPPVI)
+    auto_rounds = rounds is None and method == "virtual_clients" and privacy is not None
+    if rounds is None and not auto_rounds:
         rounds = METHOD_DEFAULTS.get(method, {}).get("rounds", DEFAULT_ROUNDS)
         if rounds is None and privacy is None:  # non-private: until q has converged
             until_converged = True
@@ -72,6 +76,7 @@ def fit_dppvi(model, clients, *, method: str = "pvi", schedule: str | None = Non
                    batch_size=batch_size, num_samples=num_samples, damping=damping, server_steps=server_steps,
                    privacy=privacy, rounds=None if until_converged else rounds, **options)
     driver.caller = "fit_dppvi"
+    driver.auto_rounds = auto_rounds
     rounds = MAX_ROUNDS if until_converged else rounds
     if resume is not None:
         return driver.resume(resume, clients, rounds, hmac_key=hmac_key, rng_key=rng_key, eval_data=eval_data,

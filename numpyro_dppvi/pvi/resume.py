@@ -104,6 +104,7 @@ def resume(driver, path, clients, rounds: int, hmac_key: bytes | None = None, rn
                       "noise until the clients have updated a few times", UserWarning, stacklevel=3)
     state = checkpoints.unflatten_like(template, arrays)
     done = int(state.round)
+    rounds = driver.planned_rounds if rounds is None else rounds  # fit_dppvi's rounds=None: the planned ones
     if done > rounds:
         raise ValueError(f"{path} already ran {done} rounds, more than rounds={rounds}")
     return driver.run(None, clients, rounds - done, state=state, history=saved_result["history"], ledger=ledger,

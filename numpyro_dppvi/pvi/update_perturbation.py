@@ -24,6 +24,9 @@ moves inside the ball of radius ``C``: ``Delta = 2C`` under either relation
 (``privacy.sensitivity(C, relation, "shard_update")``); with one record per shard, adding or removing
 it adds or removes one term: ``Delta = C`` (``"sum_of_records"``; ``2C`` when replaced). The other
 shards' terms depend only on their own rows, their own private state (below) and the public ``q``.
+``C`` is the ``Privacy.clip`` given, or for full-rank virtual clients without one
+:func:`~numpyro_dppvi.pvi.defaults.virtual_clip` of the calibrated noise multiplier and the planned shard counts:
+public values, so a constant fixed before the first release, and the arguments hold for it as for a given clip.
 
 **Private state holds no noise share** (issue 12, finding 4). Per-shard state feeds later releases,
 so it may depend only on the shard's own rows and on public values (``q`` and earlier releases),
