@@ -128,8 +128,9 @@ for name, fit in fits.items():
 # Every fit spends the budget (the ledger is calibrated to it, up to the accountant's rounding). Their posteriors
 # are noise-aware, so wider than NUTS's: the width is the price of privacy. Whether the intervals are *right*
 # is a separate question, answered over many data sets, not one: `benchmarks/coverage.py` measures each method
-# (docs/guide.md §4). There, DP optimisation and global DP-VI cover close to their level, while virtual clients
-# at their defaults (10 rounds, damping 0.1) stop short of their fixed point, so their intervals are too narrow
-# for their error, as they can be here. DP optimisation, the default for a private `fit_dppvi`, is the one to
-# start with; look at its warnings, and check calibration on simulated data of your own model
-# (`plots.plot_calibration`, the first tutorial).
+# (docs/guide.md §4). There, DP optimisation, global DP-VI and virtual clients cover close to their level. Virtual
+# clients do so with full-rank factors, 20 rounds and a clip chosen from the noise, their default for models of up
+# to 32 latents like this one (`fit.config` shows it); with mean-field factors (their default for larger models or
+# through a trusted aggregator) they stop short of their fixed point and their intervals are too narrow for their
+# error. DP optimisation, the default for a private `fit_dppvi`, is the one to start with; look at its warnings,
+# and check calibration on simulated data of your own model (`plots.plot_calibration`, the first tutorial).
