@@ -267,6 +267,7 @@ class DPPVI:
         self.damping = float(damping)
         self.server_steps = int(server_steps)
         self.privacy = privacy
+        self.given["privacy"] = privacy  # a virtual-clients clip rule replaces the clip per set-up (_setup)
         self.planned_rounds = None if rounds is None else int(rounds)
         self.shards = shards
         self.invalid = invalid
@@ -291,6 +292,7 @@ class DPPVI:
         clients = validate_clients(clients)
         self.clients = clients
         observed = [len(c[0]) for c in clients]
+        self.privacy = self.given["privacy"]  # as given: a clip chosen by a rule follows these clients
         # every size-derived setting below (rates, charges, shard counts, scales, shapes, arrival weights)
         # comes from these: declared public bounds, else the observed sizes (privacy.sizes)
         p = self.privacy

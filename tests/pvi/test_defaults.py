@@ -57,6 +57,11 @@ def test_virtual_clients_choose_full_rank_factors_by_the_models_dimension():
         assert isinstance(d.optimizer, Newton) == full
         assert settings["privacy"]["clip"] == (virtual_clip(2.0, [30, 30]) if full else 1.0) == d.rule.clip
         assert d.plan.noise_std(0) == pytest.approx(2.0 * settings["privacy"]["clip"])
+    # the same driver set up again on larger clients chooses again (0.02 x 30 / 2 = 0.3, then the cap 0.5)
+    d = chosen(3)
+    assert d.privacy.clip == pytest.approx(0.3)
+    d.init(jax.random.key(0), split(*regression(120, 3), rows=60))
+    assert d.privacy.clip == VIRTUAL_CLIP_MAX == d.rule.clip and not d.given["privacy"].clip_chosen
 
 
 @pytest.mark.parametrize("extra, family, damping, clip", [
