@@ -26,7 +26,7 @@ exceeds :data:`CONVERGED_SD`, undetermined (``None``) otherwise.
 A private fit's steps carry its noise, and it has few rounds: from ``k = 5`` steps each coordinate's variance
 has 4 df. Its drift test moderates the variances (:func:`moderated_variances`: each shrunk towards its group's,
 the means' or the log scales', by an empirical Bayes estimate, Smyth 2004), which gives the t statistics more
-df where the coordinates' noise is alike. Measured on virtual clients at their defaults (coverage study,
+df where the coordinates' noise is alike. Measured on mean-field virtual clients at their defaults (coverage study,
 epsilon 8, 10,000 rows, 10 data sets, 10 rounds; the q each fit settles at from 60 rounds of the same noise):
 of the 5 fits that ended 0.7-5.5 sd from it without a warning, 2 now warn (0.74 and 5.5 sd off); the other 3
 (2.4-3.7 sd) stop where their steps reverse, after overshooting, and no test of the steps sees the distance. On
