@@ -22,6 +22,9 @@ std turns it into one Gaussian mechanism with unit noise and sensitivity
 current clip, ``z_g`` is constant. Given the calibrated total ``z`` and the fraction ``f`` of
 the "precision" ``z^-2`` spent on the count, :func:`split_noise_multiplier` returns
 ``z_g = z / sqrt(1 - f)`` and ``z_b = z / sqrt(f)``: the budget of the plain run is kept exactly.
+The whitening needs the two blocks' noises independent: DP-PVI's local step draws them as disjoint
+coordinates of one draw of the sampler (``add_gaussian_noise(key, (sum, count), (s_g, s_b))``), then
+updates the clip by :func:`adaptive_clip_step`.
 """
 
 from __future__ import annotations
@@ -178,7 +181,12 @@ def adaptive_clip_update(state: AdaptiveClipState, norms, mask, key) -> Adaptive
 
 def adaptive_clip_update_from_count(state: AdaptiveClipState, count, key) -> AdaptiveClipState:
     """:func:`adaptive_clip_update` from the batch's centred count (summed chunk by chunk)."""
-    noisy = add_gaussian_noise(key, count, state.count_noise_std)
-    fraction_below = noisy / state.expected_batch_size + 0.5
+    return adaptive_clip_step(state, add_gaussian_noise(key, count, state.count_noise_std))
+
+
+def adaptive_clip_step(state: AdaptiveClipState, noisy_count) -> AdaptiveClipState:
+    """The geometric update of the clip from the released count ``count + N(0, count_noise_std^2)``
+    (post-processing): ``C <- C exp(-eta (noisy / E|B| + 1/2 - gamma))``."""
+    fraction_below = noisy_count / state.expected_batch_size + 0.5
     new_clip = state.clip * jnp.exp(-state.learning_rate * (fraction_below - state.target_quantile))
     return state._replace(clip=new_clip)

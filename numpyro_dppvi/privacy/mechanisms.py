@@ -196,7 +196,7 @@ def clip_update(tree, clip):
 
 
 def gaussian_noise_like(key, tree, std):
-    """Independent ``N(0, std^2)`` noise shaped like ``tree`` (one sub-key per leaf), from the
+    """Independent ``N(0, std^2)`` noise shaped like ``tree`` (one draw laid out over the leaves), from the
     float64 sampler of :mod:`~numpyro_dppvi.privacy.noise`, rounded to each leaf's dtype.
 
     A release should use :func:`add_gaussian_noise`, which adds the noise before rounding. Adding

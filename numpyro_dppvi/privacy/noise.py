@@ -78,9 +78,19 @@ def normal_from_bits(words: jax.Array) -> jax.Array:
     mantissa = (words[0] & jnp.uint32(0xFFFFF)).astype(jnp.float64) * _TWO_32 + words[1].astype(jnp.float64)
     z1, z2, z3 = (lax.clz(w).astype(jnp.int32) for w in (words[2], words[3], words[4]))
     leading_zeros = z1 + jnp.where(words[2] == 0, z2 + jnp.where(words[3] == 0, z3, 0), 0)
-    u = jnp.ldexp(1.0 + (mantissa + 0.5) / _TWO_52, -(leading_zeros + 2))
+    u = (1.0 + (mantissa + 0.5) / _TWO_52) * power_of_two(-(leading_zeros + 2))
     magnitude = -ndtri(u)
     return jnp.where(negative, -magnitude, magnitude)
+
+
+def power_of_two(exponent: jax.Array) -> jax.Array:
+    """``2.0 ** exponent`` in float64, exactly, for integer ``exponent`` in the normal range [-1022, 1023]
+    (call inside the float64 context): the exponent field written directly. The sampler's scales are
+    ``2^-2 .. 2^-98``, so ``x * power_of_two(e)`` is ``ldexp(x, e)`` bit for bit (a product by a power of two
+    is exact without overflow or underflow), without ``jnp.ldexp``'s general code for subnormal and infinite
+    results, which made the round's compiled program larger (issue 25)."""
+    biased = (jnp.asarray(exponent, jnp.int64) + 1023).astype(jnp.uint64)
+    return lax.bitcast_convert_type(biased << jnp.uint64(52), jnp.float64)
 
 
 def float32_at_least(values) -> np.ndarray:
@@ -107,23 +117,34 @@ def standard_normal(key, shape) -> jax.Array:
 
 
 def add_gaussian_noise(key, tree, std):
-    """Release ``tree + N(0, std^2 I)``: one sub-key per leaf, noise added in float64, each leaf
-    rounded once to its own dtype (see the module docstring). ``std`` may be a traced scalar.
+    """Release ``tree + N(0, std^2 I)``: the noise of every leaf from one draw of :func:`standard_normal`
+    (``key`` split once, the draw laid out over the leaves in order), added in float64, each leaf rounded
+    once to its own dtype (see the module docstring). ``std`` may be a traced scalar, or a pytree prefix of
+    ``tree`` giving each subtree its own std (e.g. ``(grad_sum, count)`` with ``(std, count_std)``: two
+    independent Gaussian releases from one draw).
+
+    One draw for the whole tree: the coordinates are i.i.d. standard normal either way, and a single call puts
+    one copy of the sampler's float64 code into a compiled program instead of one per leaf (a DP round's
+    compilation, issue 25). A one-leaf tree gets the same noise as ``standard_normal(split(key, 1)[0], shape)``.
 
     Adding it to a sum with L2 sensitivity ``Delta`` is the Gaussian mechanism with noise
     multiplier ``std / Delta``; record ``dimension`` = the number of coordinates of ``tree``
     (:func:`num_coordinates`) in the event so the ledger charges :data:`TAIL_MASS` for each.
     """
     leaves, treedef = jax.tree_util.tree_flatten(tree)
-    keys = jax.random.split(key, len(leaves))
+    leaves = [jnp.asarray(leaf) for leaf in leaves]
+    stds = jax.tree_util.tree_leaves(jax.tree_util.tree_map(
+        lambda s, subtree: jax.tree_util.tree_map(lambda _: s, subtree), std, tree))
+    sizes = [math.prod(leaf.shape) for leaf in leaves]
+    (draw_key,) = jax.random.split(key, 1)
     out = []
     with _x64():
-        scale = jnp.asarray(std).astype(jnp.float64)
-        for k, leaf in zip(keys, leaves):
-            leaf = jnp.asarray(leaf)
+        z = standard_normal(draw_key, (sum(sizes),))
+        offsets = np.cumsum([0] + sizes)
+        for leaf, leaf_std, start, size in zip(leaves, stds, offsets, sizes):
             dtype = leaf.dtype if jnp.issubdtype(leaf.dtype, jnp.floating) else jnp.float32
-            noisy = leaf.astype(jnp.float64) + scale * standard_normal(k, leaf.shape)
-            out.append(noisy.astype(dtype))
+            noise = lax.slice_in_dim(z, int(start), int(start + size)).reshape(leaf.shape)
+            out.append((leaf.astype(jnp.float64) + jnp.asarray(leaf_std).astype(jnp.float64) * noise).astype(dtype))
     return jax.tree_util.tree_unflatten(treedef, out)
 
 

@@ -278,7 +278,7 @@ def _uniform_from_bits(words):
     mantissa = (words[0] & jnp.uint32(0xFFFFF)).astype(jnp.float64) * _TWO_32 + words[1].astype(jnp.float64)
     z2, z3 = lax.clz(words[2]).astype(jnp.int32), lax.clz(words[3]).astype(jnp.int32)
     leading_zeros = z2 + jnp.where(words[2] == 0, z3, 0)
-    return jnp.ldexp(1.0 + (mantissa + 1.0) / 4503599627370496.0, -(leading_zeros + 1))
+    return (1.0 + (mantissa + 1.0) / 4503599627370496.0) * noise.power_of_two(-(leading_zeros + 1))  # = ldexp, exactly
 
 
 def _valid_count(size_mask_or_n):

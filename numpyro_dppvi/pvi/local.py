@@ -24,7 +24,7 @@ import optax
 from .. import factors, objectives
 from ..factors import Gaussian
 from ..optim import PrivateNewton
-from ..privacy.adaptive_clip import adaptive_clip_update_from_count, centred_count
+from ..privacy.adaptive_clip import adaptive_clip_step, centred_count
 from ..privacy.mechanisms import add_gaussian_noise, clipped_sum
 from ..privacy import noise
 from . import noise_aware
@@ -429,7 +429,7 @@ class DPOptimisation(NonPrivate):
         ``C_t`` on the same batch updates it; the pair is one accounted release
         (``privacy.adaptive_clip``).
         """
-        k_batch, k_eps, k_noise, k_count = jax.random.split(key, 4)
+        k_batch, k_eps, k_noise = jax.random.split(key, 3)
         rate = client_state["rate"]
         eps = objectives.antithetic_pairs(k_eps, self.pairs, self.dim + self.rank)
         adaptive = "clip" in client_state
@@ -437,9 +437,11 @@ class DPOptimisation(NonPrivate):
         summed, count = self.sampled_clipped_sum(params, eps, arrays, mask, k_batch, rate, clip)
         # a float32 product rounds by half an ulp at most: one ulp up keeps the std >= the calibrated one
         std = jnp.nextafter(client_state["noise_per_clip"] * clip, jnp.inf) if adaptive else client_state["noise_std"]
-        noisy = add_gaussian_noise(k_noise, summed, std)
-        if adaptive:
-            client_state = dict(client_state, clip=adaptive_clip_update_from_count(client_state["clip"], count, k_count))
+        if adaptive:  # the sum's and the count's noise from one draw (one copy of the sampler in the program)
+            noisy, noisy_count = add_gaussian_noise(k_noise, (summed, count), (std, client_state["clip"].count_noise_std))
+            client_state = dict(client_state, clip=adaptive_clip_step(client_state["clip"], noisy_count))
+        else:
+            noisy = add_gaussian_noise(k_noise, summed, std)
         return noisy, eps, rate, client_state
 
     def gradients(self, params, eps, draw_sums, n, cavity):

@@ -119,3 +119,51 @@ def test_ledger_charges_the_tail_mass_per_noise_coordinate():
 def test_events_need_a_positive_integer_dimension(dimension):
     with pytest.raises(ValueError, match="dimension"):
         GaussianEvent(1.0, dimension=dimension)
+
+
+def test_the_binade_scale_is_ldexp_bit_for_bit():
+    """``power_of_two(e)`` is ``2.0 ** e`` over the whole normal range, and the sampler's uniform built with it equals
+    the one ``jnp.ldexp`` builds, for random words and for every binade (0 to 96 leading zeros): the change of
+    issue 25 moves no value."""
+    with noise._x64():
+        exponents = jnp.arange(-1022, 1024)
+        np.testing.assert_array_equal(np.asarray(noise.power_of_two(exponents)), np.ldexp(1.0, np.arange(-1022, 1024)))
+        words = np.random.default_rng(0).integers(0, 2**32, size=(5, 4096), dtype=np.uint64).astype(np.uint32)
+        for k in range(97):  # column k: exactly k leading zeros in the 96 binade bits
+            binade = 1 << (95 - k) if k < 96 else 0
+            words[2:, k] = [(binade >> 64) & 0xFFFFFFFF, (binade >> 32) & 0xFFFFFFFF, binade & 0xFFFFFFFF]
+        w = jnp.asarray(words)
+        mantissa = (w[0] & jnp.uint32(0xFFFFF)).astype(jnp.float64) * 2.0**32 + w[1].astype(jnp.float64)
+        lz = sum(jnp.where(jnp.all(w[2:j] == 0, axis=0), jax.lax.clz(w[j]).astype(jnp.int32), 0) for j in (2, 3, 4))
+        u = jnp.ldexp(1.0 + (mantissa + 0.5) / 2.0**52, -(lz + 2))
+        expected = np.where(np.asarray(w[0] >> 31) == 1, 1.0, -1.0) * np.asarray(jax.scipy.special.ndtri(u))
+        np.testing.assert_array_equal(values(words), expected)
+
+
+def test_a_release_of_many_leaves_is_one_draw_laid_out_in_order():
+    """Every leaf's noise comes from one draw of the sampler, laid out over the leaves in order, so a tree's
+    noise equals that of its leaves concatenated, a one-leaf tree keeps the noise of ``standard_normal`` on
+    ``split(key, 1)[0]``, and a program holds one copy of the sampler (3 ``clz`` per copy; one per leaf before)."""
+    key = jax.random.key(4)
+    tree = {"a": jnp.zeros((3, 2)), "b": jnp.zeros(4), "c": jnp.zeros(())}
+    flat = np.asarray(add_gaussian_noise(key, jnp.zeros(11), 1.5))
+    noisy = add_gaussian_noise(key, tree, 1.5)
+    np.testing.assert_array_equal(np.concatenate([np.ravel(noisy[k]) for k in "abc"]), flat)
+    with noise._x64():
+        one = np.asarray(noise.standard_normal(jax.random.split(key, 1)[0], (3, 2)).astype(jnp.float32))
+    np.testing.assert_array_equal(np.asarray(add_gaussian_noise(key, jnp.zeros((3, 2)), 1.0)), one)
+    program = jax.jit(lambda k: add_gaussian_noise(k, tree, 1.0)).lower(key).as_text()
+    assert program.count("count_leading_zeros") == 3
+
+
+def test_a_std_per_subtree_gives_independent_releases_of_their_own_scale():
+    """``std`` as a prefix of the tree (a gradient sum and a count released together, DP-SGD's adaptive clip): each
+    part has its own std and the parts are uncorrelated. 200,000 draws: the relative se of a std is 0.16%, of a
+    correlation 0.0022; the bounds are about 5 se."""
+    keys = jax.random.split(jax.random.key(5), 200_000)
+    draw = jax.jit(jax.vmap(lambda k: add_gaussian_noise(k, (jnp.zeros(2), jnp.zeros(())), (3.0, 0.5))))
+    grads, count = (np.asarray(v) for v in draw(keys))
+    np.testing.assert_allclose(grads.std(axis=0), 3.0, rtol=0.008)
+    assert abs(count.std() / 0.5 - 1) < 0.008
+    assert abs(np.corrcoef(grads[:, 0], count)[0, 1]) < 0.011
+    assert abs(np.corrcoef(grads[:, 0], grads[:, 1])[0, 1]) < 0.011

@@ -184,10 +184,10 @@ def assert_all_distinct(seen):
 def test_no_normal_draw_reuses_a_key_quick(recorded_normal_keys):
     """Default-suite representative: DP optimisation noise and draws over 2 rounds x 3 clients x 2 steps."""
     fit("dp_optimisation", "synchronous", jax.random.key(0), rounds=2)
-    # per round, client and step: one draw of the Monte Carlo eps, one noise draw per block of the release (an optax
-    # step of a mean-field q: the loc and log-scale blocks, objectives.per_example_scaled_grads) and one of the
-    # adaptive clip's count (Privacy's default)
-    assert assert_all_distinct(recorded_normal_keys) == 2 * 3 * 2 * 4
+    # per round, client and step: one draw of the Monte Carlo eps and one noise draw for the whole release (an optax
+    # step of a mean-field q: the loc and log-scale blocks, objectives.per_example_scaled_grads, and the adaptive
+    # clip's count, Privacy's default, from one draw of the sampler: noise.add_gaussian_noise)
+    assert assert_all_distinct(recorded_normal_keys) == 2 * 3 * 2 * 2
 
 
 def test_the_recorder_detects_a_reused_key(recorded_normal_keys):
