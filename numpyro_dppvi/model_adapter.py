@@ -379,7 +379,8 @@ class ModelAdapter:
 
     # -- densities -----------------------------------------------------------------------------
     def _run(self, values: dict, arrays):
-        return handlers.trace(handlers.substitute(handlers.seed(self.model, 0), data=values)).get_trace(*arrays)
+        # seed outside substitute: a substituted site has its value when seed sees it, so no key is split for it
+        return handlers.trace(handlers.seed(handlers.substitute(self.model, data=values), 0)).get_trace(*arrays)
 
     def log_lik_row(self, u: jax.Array, row: tuple) -> jax.Array:
         """``log p(x_i | theta = T(u))`` for one row (arrays without the leading axis)."""
