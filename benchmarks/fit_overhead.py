@@ -17,8 +17,8 @@ script writes it: the model re-defined by its ``def`` (:func:`make_model`), ``op
 * ``numpyro_svi_run``: ``SVI.run`` with the batch drawn inside the model (``plate(subsample_size=100)``),
   the loop the earlier version of this harness compared with (about 9x slower a step), for reference;
 * ``fresh_process``: the first ``fit_dppvi`` of a new Python process, with an empty persistent cache
-  (``dppvi.enable_compilation_cache``: compiled programs, exported rounds and the accountant's answers; median of five processes,
-  each with its own) and with one filled by an earlier process (median of five), each against NumPyro's first
+  (``dppvi.enable_compilation_cache``: compiled programs, exported rounds and the accountant's answers; median of seven processes,
+  each with its own) and with one filled by an earlier process (median of seven), each against NumPyro's first
   fast loop in a new process with its own empty / filled JAX cache, the two interleaved.
 
 Targets (issue 25): second fit / its rounds <= 1.3; DP fit / fast SVI loop <= 3; non-private fit / fast SVI loop
@@ -206,7 +206,7 @@ def main(repeats: int = 15):
     results["dp_fit_over_svi_fast"] = results["private"]["fit_second_call"]["median_s"] / fast
     results["non_private_fit_over_svi_fast"] = results["non_private"]["fit_second_call"]["median_s"] / fast
     results["svi_run_over_svi_fast"] = results["numpyro_svi_run"]["median_s"] / fast
-    fresh = fresh_processes(5)
+    fresh = fresh_processes(7)
     dp, svi = fresh["dppvi"], fresh["numpyro"]
     results["fresh_process"] = {"dppvi": dp, "numpyro_svi_fast": svi,
                                 "empty_cache_ratio": dp["empty_cache_s"] / svi["empty_cache_s"],
