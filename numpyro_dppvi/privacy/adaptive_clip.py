@@ -176,11 +176,7 @@ def adaptive_clip_update(state: AdaptiveClipState, norms, mask, key) -> Adaptive
     """One private quantile step: noisy centred count of ``norms <= clip`` over the batch rows
     (``mask``), then the geometric update of the clip. ``norms`` are the *unclipped*
     per-example norms of the step's batch (as returned by ``clip_per_example``)."""
-    return adaptive_clip_update_from_count(state, centred_count(norms, mask, state.clip), key)
-
-
-def adaptive_clip_update_from_count(state: AdaptiveClipState, count, key) -> AdaptiveClipState:
-    """:func:`adaptive_clip_update` from the batch's centred count (summed chunk by chunk)."""
+    count = centred_count(norms, mask, state.clip)
     return adaptive_clip_step(state, add_gaussian_noise(key, count, state.count_noise_std))
 
 
