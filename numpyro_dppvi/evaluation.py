@@ -7,16 +7,16 @@ observed label has predictive probability above 1/2.
 
 from __future__ import annotations
 
-import functools
 
 import jax
 import jax.numpy as jnp
 import numpy as np
 
 from . import factors
+from .program_cache import jitted
 
 
-@functools.partial(jax.jit, static_argnums=(0, 4))
+@jitted(static_argnums=(0, 4))
 def _log_predictive(log_lik_rows, q, arrays, key, num_samples):
     u = factors.draws(q, jax.random.normal(key, (num_samples,) + q.eta1.shape))
     ll = jax.lax.map(lambda u_s: log_lik_rows(u_s, arrays), u)  # [S, n]

@@ -27,7 +27,7 @@ import numpyro.distributions as dist
 from numpyro import handlers
 from numpyro.distributions.transforms import biject_to
 
-from .program_cache import to_device
+from .program_cache import jit, to_device
 from .factors import Gaussian
 
 _MARK = "_dppvi_privacy_plate"
@@ -156,7 +156,7 @@ def compiled_traces(model_fn: Callable, runs: Sequence[tuple[Sequence, int]]) ->
             outputs.append({k: (v["fn"], v["value"]) for k, v in kept.items() if v["type"] == "sample"})
         return outputs
 
-    concrete = jax.jit(model_traces)([tuple(arrays) for arrays, _ in runs])
+    concrete = jit(model_traces)([tuple(arrays) for arrays, _ in runs])
     traces = []
     for record, arrays_out in zip(static, concrete):
         trace = {name: dict(site) for name, site in record.items()}
@@ -338,7 +338,7 @@ class ModelAdapter:
         all of them means no dependence (a non-finite one counts as dependence).
         """
         rng = np.random.default_rng(0)
-        grad = jax.jit(jax.grad(self.server_log_density))
+        grad = jit(jax.grad(self.server_log_density))
         support = np.zeros(self.dim, bool)
         for _ in range(3):
             g = np.asarray(grad(jnp.asarray(0.5 * rng.normal(size=self.dim), jnp.float32)))

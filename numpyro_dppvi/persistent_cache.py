@@ -38,7 +38,7 @@ from jax import export
 
 from .checkpoint import write_atomically
 from .privacy import accounting_memo
-from .program_cache import committed
+from .program_cache import committed, jit
 from .program_key import persistent_digest
 
 CACHE_ENV = "NUMPYRO_DPPVI_CACHE"
@@ -185,7 +185,7 @@ class ExportedProgram:
         except Exception as error:  # noqa: BLE001 - not exportable (a callback, an unregistered node type)
             _log.debug("program not kept across processes: %r", error)
             return self._jitted
-        return jax.jit(_named(exported.call, self._name))
+        return jit(_named(exported.call, self._name))
 
 
 def _named(fn, name: str):

@@ -9,11 +9,13 @@ code, closure values, the globals they read), so that ``optax.adam(1e-2)`` writt
 by the same ``def`` and settings objects built again reuse the program, while a changed body, closure value or
 optimiser kind builds a new one. An object the key cannot read (an instance of an unknown class) counts by
 identity: mutated in place between fits, it must be passed as a new object. Used by ``pvi`` (model adapters, round programs) and ``vfl``. Host values enter through
-:func:`to_device`, which needs no program at all.
+:func:`to_device`, which needs no program at all. Every program of the package is jitted by :func:`jit` (or
+:func:`jitted`), which compiles it with the package's XLA options (:data:`CPU_COMPILER_OPTIONS`).
 """
 
 from __future__ import annotations
 
+import functools
 from collections import OrderedDict
 from typing import Callable
 
@@ -61,6 +63,53 @@ def committed(tree):
     return treedef.unflatten([
         jax.ShapeDtypeStruct(leaf.shape, leaf.dtype, sharding=sharding, weak_type=leaf.weak_type)
         if isinstance(leaf, jax.ShapeDtypeStruct) else jax.device_put(leaf, device) for leaf in leaves])
+
+
+#: XLA:CPU options of this package's programs. XLA's MLIR fusion emitters (its CPU default since 2025) took
+#: 0.45 s more (median, 6 interleaved processes; 2.6-3.2 s against 1.9-2.8 s of wall time, about 1.4 s of CPU) to
+#: compile the Adult DP round than its elemental emitters, which ran the round as fast (``benchmarks/fit_overhead.py``,
+#: ``compile_options``): the fit's first call is mostly that compilation. Set per program (``jax.jit``'s
+#: ``compiler_options``), so a user's own programs are compiled as they would be.
+CPU_COMPILER_OPTIONS = {"xla_cpu_use_fusion_emitters": False}
+
+
+def xla_options_probe(x):
+    """The one-operation program :func:`compiler_options` compiles to learn whether XLA knows the options."""
+    return x + 1
+
+
+@functools.cache
+def compiler_options() -> dict | None:
+    """:data:`CPU_COMPILER_OPTIONS` on the CPU backend of an XLA that knows them (:func:`xla_options_probe` is
+    compiled with them once a process: XLA checks option names only when it compiles); None otherwise (another
+    backend, or an XLA without the option: its own defaults)."""
+    if jax.default_backend() != "cpu":
+        return None
+    try:
+        jax.jit(xla_options_probe, compiler_options=CPU_COMPILER_OPTIONS).lower(np.float32(0)).compile()
+    except Exception:  # noqa: BLE001 - an unknown option (INVALID_ARGUMENT) or a JAX without compiler_options
+        return None
+    return dict(CPU_COMPILER_OPTIONS)
+
+
+def jit(fn: Callable, **kwargs) -> Callable:
+    """``jax.jit(fn, **kwargs)`` compiled with this package's :func:`compiler_options`."""
+    return jax.jit(fn, compiler_options=compiler_options(), **kwargs)
+
+
+def jitted(**kwargs) -> Callable[[Callable], Callable]:
+    """Decorator of a module-level program: ``fn`` compiled by :func:`jit` with ``kwargs`` (``static_argnums``,
+    ...), built on its first call, so that importing the package reads no backend and compiles nothing."""
+    def decorate(fn: Callable) -> Callable:
+        program = []
+
+        @functools.wraps(fn)
+        def call(*args, **kw):
+            if not program:
+                program.append(jit(fn, **kwargs))
+            return program[0](*args, **kw)
+        return call
+    return decorate
 
 
 def cached(key: tuple, build: Callable[[], Callable]) -> Callable:

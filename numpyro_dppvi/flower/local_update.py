@@ -29,7 +29,7 @@ import numpy as np
 import optax
 
 from .. import checkpoint, factors, objectives
-from ..program_cache import cached
+from ..program_cache import cached, jit
 from ..data import validate_clients
 from ..factors import Gaussian
 from ..model_adapter import ModelAdapter
@@ -236,7 +236,7 @@ def run_update(rule, damping: float, q: Gaussian, t_m: Gaussian, arrays, key, ru
     jitted once per rule and damping; ``size``: the public size the objective is scaled by (default the
     number of rows; :meth:`~numpyro_dppvi.flower.settings.NodeSettings.size_of`)."""
     program = cached(("flower-local-update", rule, float(damping)),
-                     lambda: jax.jit(functools.partial(_update, rule, float(damping))))
+                     lambda: jit(functools.partial(_update, rule, float(damping))))
     arrays = tuple(jnp.asarray(a) for a in arrays)
     n = arrays[0].shape[0]
     mask = jnp.ones(n, bool)

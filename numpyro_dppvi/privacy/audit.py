@@ -103,7 +103,9 @@ def _lower_bounds_for_thresholds(stat_pos, stat_neg, thresholds, delta, confiden
 
 
 def _batched(mechanism):
-    return jax.jit(jax.vmap(mechanism, in_axes=(0, None)))
+    from ..program_cache import jit
+
+    return jit(jax.vmap(mechanism, in_axes=(0, None)))
 
 
 def _run(batched, key, dataset, num_runs, chunk):

@@ -34,7 +34,7 @@ from ..optim import Newton, PrivateNewton
 from ..privacy import Privacy
 from ..privacy.noise import float32_at_least
 from ..privacy.sizes import declared_sizes, public_client_sizes
-from ..program_cache import cached, committed, to_device
+from ..program_cache import cached, committed, jit, to_device
 from ..results import DPPVIResult
 from . import noise_aware, release_noise
 from . import plan as plan_module
@@ -369,7 +369,7 @@ class DPPVI:
         self._setup(clients, key_data)
         m = self.num_clients
         program = cached(("pvi-initial-state", self.rule, self.server_step, m),
-                         lambda: jax.jit(functools.partial(plan_module.initial_state, self.rule, self.server_step, m)))
+                         lambda: jit(functools.partial(plan_module.initial_state, self.rule, self.server_step, m)))
         inputs = (self.data, self.mask, to_device(key_data, np.uint32), self.adapter.prior, self.adapter.server_mask)
         if self.plan is not None:
             state = self._calibrate(program, inputs)
@@ -502,7 +502,7 @@ class DPPVI:
         """Every client's local update, once, from its own prior: ``q_m`` fitted with start and cavity
         ``priors[m]`` (``[M, D]``) on its own data (Bayesian committee machines). A private rule's
         releases are charged to :attr:`ledger` (one participation per client)."""
-        program = cached(("pvi-local-posteriors", self.rule), lambda: jax.jit(functools.partial(
+        program = cached(("pvi-local-posteriors", self.rule), lambda: jit(functools.partial(
             plan_module.local_posteriors, self.rule)))
         q_m = program(priors, self.data, self.mask, self.sizes, state.client_state,
                       jax.random.fold_in(jax.random.wrap_key_data(state.key), 1))

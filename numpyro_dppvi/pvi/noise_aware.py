@@ -369,9 +369,9 @@ def noise_aware_posterior(q: Gaussian, client_state) -> Gaussian:
 
 def posterior(q: Gaussian, client_state) -> Gaussian:
     """:func:`noise_aware_posterior`, jitted once per shape (one program, not one per operation)."""
-    from ..program_cache import cached
+    from ..program_cache import cached, jit
 
-    program = cached(("noise-aware-posterior",), lambda: jax.jit(noise_aware_posterior))
+    program = cached(("noise-aware-posterior",), lambda: jit(noise_aware_posterior))
     keys = ("factor_curvature", "curvature_bias", "gain_noise")
     return program(q, {k: client_state[k] for k in keys if k in client_state})
 
@@ -399,8 +399,8 @@ def widening(q: Gaussian, client_state) -> jax.Array:
 
 def noise_widening(q: Gaussian, client_state) -> jax.Array:
     """:func:`widening`, jitted once per shape."""
-    from ..program_cache import cached
+    from ..program_cache import cached, jit
 
-    program = cached(("noise-aware-widening",), lambda: jax.jit(widening))
+    program = cached(("noise-aware-widening",), lambda: jit(widening))
     keys = ("factor_curvature", "curvature_sum", "factor_count", "curvature_bias", "gain_noise")
     return program(q, {k: client_state[k] for k in keys if k in client_state})

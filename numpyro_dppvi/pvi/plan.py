@@ -27,7 +27,7 @@ from ..optim import Newton
 from ..privacy.adaptive_clip import adaptive_clip_init
 from ..privacy.noise import float32_at_least
 from ..persistent_cache import ExportedProgram
-from ..program_cache import cached, shapes, to_device
+from ..program_cache import cached, jit, shapes, to_device
 from . import full_rank, server
 from .defaults import UPDATE_METHODS
 from .full_rank import NonPrivateFullRank, ServerFactorStepFullRank, client_batch, lapack_safe_chunk
@@ -89,7 +89,7 @@ def round_program(spec: RoundSpec) -> Callable:
     """``jit(round)`` for ``spec``, built once per spec in the process (:mod:`numpyro_dppvi.program_cache`) and kept
     across processes when the persistent cache is on (:class:`~numpyro_dppvi.persistent_cache.ExportedProgram`)."""
     key = ("pvi-round", spec)
-    return cached(key, lambda: ExportedProgram(jax.jit(functools.partial(round_step, spec)), key, "round_step"))
+    return cached(key, lambda: ExportedProgram(jit(functools.partial(round_step, spec)), key, "round_step"))
 
 
 def initial_state(rule, server_step, num_clients, data, mask, key_data, prior, server_mask, extras) -> PVIState:

@@ -146,9 +146,9 @@ def noise_aware_posterior(q: Gaussian, client_state: dict) -> Gaussian:
 
 def posterior(q: Gaussian, client_state: dict) -> Gaussian:
     """:func:`noise_aware_posterior`, jitted once per shape."""
-    from ..program_cache import cached
+    from ..program_cache import cached, jit
 
-    program = cached(("release-noise-posterior",), lambda: jax.jit(noise_aware_posterior))
+    program = cached(("release-noise-posterior",), lambda: jit(noise_aware_posterior))
     return program(q, {k: client_state[k] for k in KEYS if k in client_state})
 
 

@@ -11,7 +11,7 @@ import numpy as np
 import optax
 
 from ..keys import resolve as resolve_key
-from ..program_cache import cached, shapes
+from ..program_cache import cached, jit, shapes
 from .client import VFLClient, check_clients
 from .guides import GUIDE_ALIASES, GUIDES, DiagonalGaussian
 from .models import _check_rho
@@ -172,4 +172,4 @@ def _compile_run(parties, server, optimizer, formulation, num_samples, batch_siz
             jax.eval_shape(lambda s, k: step(s, k, recorder), state, keys[0])
         return jax.lax.scan(lambda s, k: step(s, k, Channel()), state, keys)
 
-    return jax.jit(run), recorder
+    return jit(run), recorder

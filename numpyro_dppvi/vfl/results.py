@@ -15,7 +15,7 @@ from numpyro.infer import Predictive
 
 from .. import checkpoint
 from ..arviz_compat import from_groups
-from ..program_cache import cached, shapes
+from ..program_cache import cached, jit, shapes
 from ..privacy.ledger import NotPrivate
 from ..results import Result, load, resolve_key
 from .client import check_clients
@@ -105,7 +105,7 @@ class VFLResult(Result):
         rng_key = resolve_key(rng_key)
         cache = self.__dict__.setdefault("_samplers", {})
         if num_samples not in cache:  # one program per draw count; z is dropped when not asked
-            cache[num_samples] = jax.jit(lambda state, key: self._draw(state, key, num_samples))
+            cache[num_samples] = jit(lambda state, key: self._draw(state, key, num_samples))
         draws = cache[num_samples](self.state, rng_key)
         aux = {f"{p.name}/{AUX_SITE}" for p in self.parties}
         return {k: np.asarray(v) for k, v in draws.items() if include_aux or k not in aux}
@@ -205,7 +205,7 @@ class VFLResult(Result):
         xs = [c.x for c in self._new_clients(x_new)]
         check_clients(self._new_clients(x_new), y_new)
         y_new = jax.tree_util.tree_map(jnp.asarray, y_new)
-        build = lambda: jax.jit(functools.partial(  # noqa: E731
+        build = lambda: jit(functools.partial(  # noqa: E731
             _log_predictive_density, self.parties, self.server, self.rho, model, num_samples))
         key = None if self.signature is None else (
             "lpd", self.signature, model, num_samples, shapes(xs), shapes(y_new))

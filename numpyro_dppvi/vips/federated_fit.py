@@ -38,7 +38,7 @@ import numpy as np
 
 from numpyro_dppvi.data import validate_clients
 from numpyro_dppvi.keys import resolve as resolve_key
-from numpyro_dppvi.program_cache import cached
+from numpyro_dppvi.program_cache import cached, jit
 from numpyro_dppvi.privacy.calibration import plan_charges
 from numpyro_dppvi.vips.detect import detect_conjugate
 from numpyro_dppvi.vips.engine import is_conjugate_model, joint_sensitivity, scale_bounds
@@ -98,7 +98,7 @@ def fit_federated_vips(model, clients, *, privacy=None, rounds: int = 1, schedul
     nbar0 = conjugate.expected_natural_params(params)
     factors = [jax.tree_util.tree_map(jnp.zeros_like, _zero_factor(conjugate, d, nbar0)) for d in data]
     history = []
-    step = cached(("federated-vips-client-step", conjugate, clip, float(share)), lambda: jax.jit(
+    step = cached(("federated-vips-client-step", conjugate, clip, float(share)), lambda: jit(
         lambda d, nbar, prev, key: conjugate_client_delta(conjugate, d, nbar, prev, noise_key=key, clip=clip,
                                                           noise_multiplier=share)[0]))
     for r in range(int(rounds)):

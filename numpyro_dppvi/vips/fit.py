@@ -38,6 +38,7 @@ import numpy as np
 
 from numpyro_dppvi.diagnostics import NoiseWarning, user_stacklevel
 from numpyro_dppvi.keys import resolve as resolve_key
+from numpyro_dppvi.program_cache import jit
 from numpyro_dppvi.privacy import Privacy
 from numpyro_dppvi.vips.detect import detect_conjugate
 from numpyro_dppvi.vips.engine import (
@@ -256,7 +257,7 @@ def fit_vips(model, data, *, privacy=None, batch_size: int | None = None, steps:
         new_params = model.refresh(blend(carry, target, rho))
         return new_params, {"rho": rho}  # the realised batch size would reveal the Poisson sample
 
-    @jax.jit
+    @jit
     def run(carry, keys, arrays):  # data are arguments, not constants folded into the program
         steps = (jnp.arange(iterations), keys)
         return jax.lax.scan(lambda c, inputs: one_step(arrays, c, inputs), carry, steps)

@@ -12,7 +12,6 @@ bounds the models run non-privately only.
 
 from __future__ import annotations
 
-import functools
 import math
 
 import jax
@@ -20,6 +19,7 @@ import jax.numpy as jnp
 import numpy as np
 import numpyro.distributions as dist
 
+from numpyro_dppvi.program_cache import jitted
 from numpyro_dppvi.vips.engine import ConjugateModelBase
 from numpyro_dppvi.privacy.mechanisms import project_psd
 
@@ -73,7 +73,7 @@ def gaussian_moments(eta, precision):
 NOISE_AWARE_DRAWS = 2000  # importance draws of X^T X in the noise-aware posterior (its Monte Carlo error: info)
 
 
-@functools.partial(jax.jit, static_argnames="num_draws")
+@jitted(static_argnames="num_draws")
 def noisy_statistics_posterior(prior_eta, prior_precision, eta, precision, xy_variance, xx_variance, rng_key,
                                num_draws: int = NOISE_AWARE_DRAWS):
     """The posterior of ``w`` given the noisy statistics a private fit released (Bernstein & Sheldon 2019, with
