@@ -179,7 +179,10 @@ def arrivals(rule, damping, state: PVIState, data, mask, sizes, key, order, limi
             q_next = factors.multiply(q, delta)
             fac = jax.tree.map(lambda a, d: a.at[m].add(d), fac, delta)
         seen = jax.tree.map(lambda a, v: a.at[m].set(jnp.where(afford, v, a[m])), seen, q_next)
-        cstate = jax.tree.map(lambda a, v: a.at[m].set(jnp.where(act, v, a[m])), cstate, cs_new)
+        # an entry the rule passed through (the same traced value: most of a noise-aware state in an optax step)
+        # is kept as it is, with no slice and scatter in the program
+        cstate = jax.tree.map(lambda a, old, v: a if v is old else a.at[m].set(jnp.where(act, v, old)), cstate, cs,
+                              cs_new)
         counts = counts.at[m].add(afford.astype(jnp.int32))
         cavity_ok = factors.is_proper(cavity) | (not getattr(rule, "uses_client_cavity", True))
         valid = valid & ((cavity_ok & factors.is_proper(q_next)) | ~act)
