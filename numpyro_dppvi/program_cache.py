@@ -65,11 +65,12 @@ def committed(tree):
         if isinstance(leaf, jax.ShapeDtypeStruct) else jax.device_put(leaf, device) for leaf in leaves])
 
 
-#: XLA:CPU options of this package's programs. XLA's MLIR fusion emitters (its CPU default since 2025) took
-#: 0.45 s more (median, 6 interleaved processes; 2.6-3.2 s against 1.9-2.8 s of wall time, about 1.4 s of CPU) to
-#: compile the Adult DP round than its elemental emitters, which ran the round as fast (``benchmarks/fit_overhead.py``,
-#: ``compile_options``): the fit's first call is mostly that compilation. Set per program (``jax.jit``'s
-#: ``compiler_options``), so a user's own programs are compiled as they would be.
+#: XLA:CPU options of this package's programs. XLA's MLIR fusion emitters (its CPU default) took 0.45 s more
+#: (median, 6 interleaved processes; 2.6-3.2 s against 1.9-2.8 s of wall time, about 0.9 s more CPU) to compile the
+#: Adult DP round's lowering than its elemental emitters, which ran the round as fast (41.4 ms against 42.8 ms, 40
+#: interleaved calls) to the same values bit for bit; a new process's first fit is mostly that compilation
+#: (``benchmarks/fit_overhead.py``, ``fresh_process``). Set per program (``jax.jit``'s ``compiler_options``), so a
+#: user's own programs are compiled as they would be.
 CPU_COMPILER_OPTIONS = {"xla_cpu_use_fusion_emitters": False}
 
 
