@@ -15,6 +15,7 @@ import numpy as np
 import pytest
 from scipy import special, stats
 
+from numpyro_dppvi import program_cache
 from numpyro_dppvi.privacy import GaussianEvent, PrivacyLedger, add_gaussian_noise, add_symmetric_noise
 from numpyro_dppvi.privacy import noise
 
@@ -30,9 +31,15 @@ def bits_for(u: float, negative: bool = False) -> np.ndarray:
     return np.array(words, dtype=np.uint32)
 
 
-def values(words) -> np.ndarray:
+def values(words, how: str = "op_by_op") -> np.ndarray:
+    """The sampler's values for ``words``, run op by op or compiled as the package compiles its programs (one fused
+    program, ``program_cache.jit`` with its XLA options: rounding may differ in the last bit)."""
     with noise._x64():
-        return np.asarray(noise.normal_from_bits(jnp.asarray(words, jnp.uint32)))
+        fn = program_cache.jit(noise.normal_from_bits) if how == "package_jit" else noise.normal_from_bits
+        return np.asarray(fn(jnp.asarray(words, jnp.uint32)))
+
+
+COMPILED = pytest.mark.parametrize("how", ["op_by_op", "package_jit"])
 
 
 def test_float32_normal_has_the_gap_that_motivated_the_sampler():
@@ -41,13 +48,14 @@ def test_float32_normal_has_the_gap_that_motivated_the_sampler():
     assert np.max(np.abs(draws)) < 5.5
 
 
-def test_no_gap_in_the_tail_support_before_10_sd():
+@COMPILED
+def test_no_gap_in_the_tail_support_before_10_sd(how):
     """For every target t in [0, 10.5] on a 0.01 grid, both signs, some bit pattern maps to within
     1e-9 sd of t: the support has no gap wider than the grid's resolution up to 10.5 sd."""
     targets = np.arange(0.0, 10.5, 0.01) + 0.005
     for negative in (False, True):
         words = np.stack([bits_for(float(stats.norm.sf(t)), negative) for t in targets], axis=1)
-        got = values(words)
+        got = values(words, how)
         expected = -targets if negative else targets
         np.testing.assert_allclose(got, expected, atol=1e-9)
 
@@ -65,11 +73,13 @@ def test_extreme_tail_and_spacing_at_10_sd():
     assert got.size > 10 and np.max(np.diff(got)) <= 2 * np.spacing(10.0)
 
 
-def test_bits_map_matches_scipy_quantiles():
-    """Random bit patterns: the value is -ndtri(u) of the reconstructed u to float64 accuracy."""
+@COMPILED
+def test_bits_map_matches_scipy_quantiles(how):
+    """Random bit patterns: the value is -ndtri(u) of the reconstructed u to float64 accuracy, op by op and in the
+    program the package compiles (its XLA options)."""
     rng = np.random.default_rng(0)
     words = rng.integers(0, 2**32, size=(5, 20000), dtype=np.uint64).astype(np.uint32)
-    got = values(words)
+    got = values(words, how)
     mantissa = (words[0] & 0xFFFFF).astype(np.float64) * 2.0**32 + words[1].astype(np.float64)
     bits96 = [int(a) << 64 | int(b) << 32 | int(c) for a, b, c in zip(words[2], words[3], words[4])]
     lz = np.array([96 - x.bit_length() for x in bits96])
