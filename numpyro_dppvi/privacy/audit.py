@@ -29,6 +29,8 @@ import jax.numpy as jnp
 import numpy as np
 from scipy import stats
 
+from ..program_cache import jit
+
 
 @dataclass(frozen=True)
 class AuditResult:
@@ -103,8 +105,6 @@ def _lower_bounds_for_thresholds(stat_pos, stat_neg, thresholds, delta, confiden
 
 
 def _batched(mechanism):
-    from ..program_cache import jit
-
     return jit(jax.vmap(mechanism, in_axes=(0, None)))
 
 
