@@ -125,7 +125,7 @@ def test_the_first_fit_of_a_new_process_compiles_only_its_own_programs_and_reads
     call in the second, which reads the exported round (``persistent_cache.ExportedProgram``)."""
     empty = first_fit_in_a_new_process(tmp_path / "cache")
     warm = first_fit_in_a_new_process(tmp_path / "cache")
-    fit_programs = ["initial_state", "model_traces", "noise_aware_posterior", "widening", "xla_options_probe"]
+    fit_programs = ["initial_state", "model_traces", "posterior_with_rule", "widening", "xla_options_probe"]
     assert sorted(empty["programs"]) == sorted(fit_programs + ["round_step", "round_step"])
     assert sorted(warm["programs"]) == sorted(fit_programs + ["round_step"])
     assert empty["accountant_runs"] >= 1 and warm["accountant_runs"] == 0

@@ -222,6 +222,33 @@ def test_a_mean_field_posterior_takes_the_marginal_variances_of_the_full_curvatu
     assert noise_aware.noise_aware_posterior(full, {"factor_curvature": curvature}) is full
 
 
+def test_a_posterior_whose_full_precision_is_not_definite_takes_its_diagonal_with_the_gain_noise():
+    """Off-diagonal curvature estimates whose sum is not positive definite: the posterior takes the diagonal of
+    ``P`` (rule ``"diagonal"``) and still adds the gain noise, instead of ``q`` as fitted (the former silent fallback,
+    which dropped the gain noise; on the hierarchical logistic regression of benchmarks/calibration_zoo.py every fit
+    took it); where that diagonal is not positive either, ``Lambda_q`` with the gain noise (``"fitted"``)."""
+    q = factors.from_loc_scale(jnp.array([1.0, -2.0]), jnp.array([0.5, 0.25]))  # Lambda_q = diag(4, 16)
+    curvature = jnp.stack([jnp.array([[1.0, 9.0], [9.0, 3.0]])])  # 4 x 16 < 9^2: P not positive definite
+    gain = jnp.stack([jnp.array([[0.5, 0.0], [0.0, 2.0]])])
+    bias = jnp.stack([jnp.array([[1.0, 0.0], [0.0, 6.0]])])
+    state = {"factor_curvature": curvature, "gain_noise": gain, "curvature_bias": bias}
+    precision, rule = noise_aware.posterior_precision(q, state)
+    assert noise_aware.PRECISION_RULES[int(rule)] == "diagonal"
+    np.testing.assert_allclose(precision, np.diag([3.0, 10.0]), rtol=1e-6)
+    loc, scale = factors.to_loc_scale(noise_aware.noise_aware_posterior(q, state))
+    covariance = np.diag([1 / 3.0, 1 / 10.0])
+    np.testing.assert_allclose(loc, [1.0, -2.0], rtol=1e-6)
+    np.testing.assert_allclose(np.square(scale), np.diag(covariance + covariance @ np.diag([0.5, 2.0]) @ covariance),
+                               rtol=1e-5)
+    assert noise_aware.precision_rule(q, state) == "diagonal"
+    large_bias = dict(state, curvature_bias=jnp.stack([jnp.array([[5.0, 0.0], [0.0, 6.0]])]))  # 4 - 5 < 0
+    precision, rule = noise_aware.posterior_precision(q, large_bias)
+    assert noise_aware.PRECISION_RULES[int(rule)] == "fitted"
+    np.testing.assert_allclose(precision, np.diag([4.0, 10.0]), rtol=1e-6)  # the bias kept where it leaves P > 0
+    definite = {"factor_curvature": jnp.stack([jnp.array([[1.0, 0.5], [0.5, 3.0]])])}
+    assert noise_aware.precision_rule(q, definite) == "full"
+
+
 def test_the_local_step_is_chosen_by_the_models_dimension():
     """Without an optimizer, DP optimisation takes private Newton steps and the noise-aware answer up to
     ``NEWTON_MAX_DIM`` latent dimensions, and above it the optax default with damping 0.5 and ``q`` as fitted
