@@ -70,6 +70,20 @@ class Result:
     def is_private(self) -> bool:
         return isinstance(self.privacy, PrivacyLedger)
 
+    #: What is known of the calibration of the result's intervals (a dict, see :attr:`calibrated`; None where nothing
+    #: is recorded).
+    calibration = None
+
+    @property
+    def calibrated(self) -> bool | None:
+        """What a calibration check found of this fit's credible intervals: ``True`` or ``False`` on a result that
+        :meth:`CalibrationReport.annotate <numpyro_dppvi.simulation_calibration.CalibrationReport.annotate>` returned
+        (the pooled 50% and 90% coverage of :func:`numpyro_dppvi.calibration_check` within their bars, or not);
+        ``None`` when no check was run, or for a posterior that a check's widening changed since
+        (``report.recalibrate``). One fit alone cannot tell whether its intervals cover; the check measures it on
+        your model."""
+        return None if self.calibration is None else self.calibration.get("calibrated")
+
     @classmethod
     def load(cls, path, model=None, hmac_key: bytes | None = None) -> "Result":
         """:func:`load`, refusing a file that holds another kind of result. ``model``: the NumPyro model
@@ -188,15 +202,17 @@ class DPPVIResult(Result):
     :class:`~numpyro_dppvi.privacy.NotPrivate`), ``method``, ``schedule``, ``config`` (the
     data-independent settings), ``rounds`` (rounds completed), ``convergence`` (how far ``q`` was
     from its fixed point when the fit stopped, :func:`numpyro_dppvi.diagnostics.convergence`; the
-    history's ``change`` is the largest move of one round in posterior-sd units) and, for a fit
-    just run, ``updates`` (per client: rounds taken part, valid updates; not saved).
+    history's ``change`` is the largest move of one round in posterior-sd units), ``calibration`` (private fits:
+    ``{"calibrated": None, "precision_rule": ...}``; a check's verdict once annotated, :attr:`calibrated`) and, for
+    a fit just run, ``updates`` (per client: rounds taken part, valid updates; not saved).
     """
 
     kind = "DPPVIResult"
 
     def __init__(self, adapter: ModelAdapter, q: factors.Gaussian, history: list, method: str,
                  schedule: str | None, privacy=None, config: dict | None = None, rounds: int = 0,
-                 convergence: dict | None = None, q_fitted: factors.Gaussian | None = None):
+                 convergence: dict | None = None, q_fitted: factors.Gaussian | None = None,
+                 calibration: dict | None = None):
         self.adapter = adapter
         self.q = jax.tree.map(np.asarray, q)
         self.q_fitted = self.q if q_fitted is None or q_fitted is q else jax.tree.map(np.asarray, q_fitted)
@@ -207,6 +223,7 @@ class DPPVIResult(Result):
         self.config = dict(config or {})
         self.rounds = int(rounds)
         self.convergence = convergence
+        self.calibration = calibration
         self.updates = None
 
     @property
@@ -298,6 +315,7 @@ class DPPVIResult(Result):
             "kind": self.kind, "format": RESULT_FORMAT, "method": self.method, "schedule": self.schedule,
             "history": self.history, "config": self.config, "rounds": self.rounds,
             "convergence": self.convergence,
+            "calibration": self.calibration,
             "privacy": self.privacy.to_dict() if self.is_private else None,
             "data_shapes": [list(a.shape[1:]) for a in self.adapter.example_row],
             "data_dtypes": [str(a.dtype) for a in self.adapter.example_row],
@@ -332,4 +350,5 @@ class DPPVIResult(Result):
         q_fitted = read("q_fitted") if "['q_fitted'].eta1" in arrays else None
         privacy = None if meta.get("privacy") is None else PrivacyLedger.from_dict(meta["privacy"])
         return cls(adapter, q, meta["history"], meta["method"], meta["schedule"], privacy, meta["config"],
-                   meta.get("rounds", len(meta["history"])), meta.get("convergence"), q_fitted=q_fitted)
+                   meta.get("rounds", len(meta["history"])), meta.get("convergence"), q_fitted=q_fitted,
+                   calibration=meta.get("calibration"))

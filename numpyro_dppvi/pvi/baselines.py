@@ -80,7 +80,7 @@ def fit_global_vi(model, clients, *, steps: int = 1000, steps_per_round: int = 1
     config = dict(pooled_result.config, steps=steps, steps_per_round=steps_per_round)
     return DPPVIResult(pooled_result.adapter, pooled_result.q, history, "global_vi" if privacy is None else "dp_global_vi",
                        None, ledger, config, pooled_result.rounds, convergence=pooled_result.convergence,
-                       q_fitted=pooled_result.q_fitted)
+                       q_fitted=pooled_result.q_fitted, calibration=pooled_result.calibration)
 
 
 def fit_bcm(model, clients, *, prior: str = "same", local_steps: int = 1000, batch_size: int | None = 100,

@@ -725,6 +725,8 @@ class DPPVI:
                 break
         self.convergence = self._convergence(trajectory, history)
         result = self._result(state, history)
+        if rounds and self.plan is not None:
+            result.calibration = self._calibration(state)
         self._check_updates(result, history)
         if rounds and self.noise_aware:
             self._warn_if_noise_widens(state)
@@ -733,6 +735,16 @@ class DPPVI:
                                             *convergence_advice(self.caller, self.schedule, self.family,
                                                                 private=self.plan is not None, method=self.method))
         return result
+
+    def _calibration(self, state: PVIState) -> dict:
+        """What a private fit records of its own intervals (``result.calibration``; post-processing of the releases):
+        ``calibrated`` None (one fit alone does not tell: :func:`numpyro_dppvi.calibration_check` measures it) and,
+        for a noise-aware DP optimisation fit, the noise-aware posterior's ``precision_rule``
+        (:func:`.noise_aware.posterior_precision`)."""
+        out = {"calibrated": None}
+        if self.noise_aware and self.method != "virtual_clients":
+            out["precision_rule"] = noise_aware.precision_rule(state.q, state.client_state)
+        return out
 
     def _warn_if_noise_widens(self, state: PVIState) -> None:
         """Warn (:class:`~numpyro_dppvi.diagnostics.NoiseWarning`) when the releases' noise (the mechanism's and
