@@ -9,6 +9,7 @@ omitted) and returns the axes. Everything drawn is public: the history, the ledg
 * :func:`plot_convergence`: the history's ``change`` (the largest step of ``q`` in posterior sds) per round;
 * :func:`plot_privacy_utility`: a metric of the last round (e.g. test ``accuracy``, with ``eval_data``) against
   the ledger's epsilon, over fits at several budgets;
+* :func:`plot_calibration_check`: the coverage a :func:`~numpyro_dppvi.calibration_check` found, per level and site;
 * :func:`plot_calibration`: the coverage of the true values by the posteriors' central credible intervals against
   their level (:func:`interval_coverage`), over fits to data sets simulated from known values (the check of
   ``benchmarks/coverage.py``).
@@ -209,4 +210,24 @@ def plot_calibration(results, truths: Sequence[Mapping], levels: Sequence[float]
     ax.set_ylim(0, 1)
     if label is not None:
         ax.legend(fontsize="small")
+    return ax
+
+
+def plot_calibration_check(report, ax=None, sites: Sequence[str] | None = None,
+                           levels: Sequence[float] = LEVELS):
+    """The coverage a :class:`~numpyro_dppvi.simulation_calibration.CalibrationReport` found, against the nominal
+    level: pooled over every site (with two Monte Carlo standard errors) and, for each of ``sites``, per site; the
+    diagonal is what a calibrated posterior follows (below it: intervals too narrow)."""
+    ax = _axes(ax)
+    levels = np.asarray(levels, np.float64)
+    ax.plot([0, 1], [0, 1], linestyle="--", color="grey")
+    for site in [None, *(sites or [])]:
+        pairs = np.array([report.coverage(a, site) for a in levels])
+        label = f"all sites ({report.num_datasets} data sets)" if site is None else site
+        ax.errorbar(levels, pairs[:, 0], yerr=2.0 * pairs[:, 1], marker="o", capsize=2, label=label)
+    ax.set_xlabel("credible level")
+    ax.set_ylabel("coverage of the true values")
+    ax.set_xlim(0, 1)
+    ax.set_ylim(0, 1)
+    ax.legend(fontsize="small")
     return ax
