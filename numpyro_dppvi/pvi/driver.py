@@ -589,19 +589,26 @@ class DPPVI:
     config = settings
 
     def _result(self, state: PVIState, history: list) -> DPPVIResult:
-        q = self._noise_aware_q(state) if self.noise_aware else state.q
+        """The public result of ``state``. A private fit's ``calibration`` (post-processing of the releases):
+        ``calibrated`` None (one fit alone does not tell: :func:`numpyro_dppvi.calibration_check` measures it) and,
+        for a noise-aware DP optimisation fit, the noise-aware posterior's ``precision_rule``
+        (:func:`.noise_aware.posterior_precision`), from the same program as its ``q``."""
+        q, rule = self._noise_aware_q(state) if self.noise_aware else (state.q, None)
+        calibration = None
+        if self.plan is not None:
+            calibration = {"calibrated": None} if rule is None else {"calibrated": None, "precision_rule": rule}
         return DPPVIResult(self.adapter, q, history, method=self.method, schedule=self.schedule,
                            privacy=self.ledger, config=self.settings(), rounds=int(state.round),
                            convergence=getattr(self, "convergence", None),
-                           q_fitted=state.q if self.noise_aware else None)
+                           q_fitted=state.q if self.noise_aware else None, calibration=calibration)
 
     def _noise_aware_q(self, state: PVIState):
-        """The noise-aware posterior: the fixed point of DP optimisation's noisy-observation factors
-        (:mod:`.noise_aware`), or ``q`` with the noise virtual clients' releases left in it integrated out
-        (:mod:`.release_noise`)."""
+        """``(q, precision rule)``: the noise-aware posterior, the fixed point of DP optimisation's noisy-observation
+        factors with the rule its precision took (:mod:`.noise_aware`), or ``q`` with the noise virtual clients'
+        releases left in it integrated out (:mod:`.release_noise`; no rule)."""
         if self.method == "virtual_clients":
-            return release_noise.posterior(state.q, state.client_state)
-        return noise_aware.posterior(state.q, state.client_state)
+            return release_noise.posterior(state.q, state.client_state), None
+        return noise_aware.posterior_and_rule(state.q, state.client_state)
 
     def _public_entry(self, state, metrics, seconds) -> tuple[dict, dict]:
         """Split one round's record into what may be published and what stays in the private checkpoint."""
@@ -725,8 +732,6 @@ class DPPVI:
                 break
         self.convergence = self._convergence(trajectory, history)
         result = self._result(state, history)
-        if rounds and self.plan is not None:
-            result.calibration = self._calibration(state)
         self._check_updates(result, history)
         if rounds and self.noise_aware:
             self._warn_if_noise_widens(state)
@@ -735,16 +740,6 @@ class DPPVI:
                                             *convergence_advice(self.caller, self.schedule, self.family,
                                                                 private=self.plan is not None, method=self.method))
         return result
-
-    def _calibration(self, state: PVIState) -> dict:
-        """What a private fit records of its own intervals (``result.calibration``; post-processing of the releases):
-        ``calibrated`` None (one fit alone does not tell: :func:`numpyro_dppvi.calibration_check` measures it) and,
-        for a noise-aware DP optimisation fit, the noise-aware posterior's ``precision_rule``
-        (:func:`.noise_aware.posterior_precision`)."""
-        out = {"calibrated": None}
-        if self.noise_aware and self.method != "virtual_clients":
-            out["precision_rule"] = noise_aware.precision_rule(state.q, state.client_state)
-        return out
 
     def _warn_if_noise_widens(self, state: PVIState) -> None:
         """Warn (:class:`~numpyro_dppvi.diagnostics.NoiseWarning`) when the releases' noise (the mechanism's and

@@ -426,11 +426,6 @@ def posterior_with_rule(q: Gaussian, client_state) -> tuple[Gaussian, jax.Array]
     return noise_aware_posterior(q, client_state), posterior_precision(q, client_state)[1]
 
 
-def precision_rule(q: Gaussian, client_state) -> str:
-    """The :data:`PRECISION_RULES` entry :func:`noise_aware_posterior` uses for this state (host value)."""
-    return posterior_and_rule(q, client_state)[1]
-
-
 def widening(q: Gaussian, client_state) -> jax.Array:
     """How much the DP noise widens a noise-aware posterior: per coordinate (``[D]``), the ratio of its marginal
     sd under the precision ``P = Lambda_prior + sum_m B'_m`` the clients answered with (their noisy-observation

@@ -240,13 +240,13 @@ def test_a_posterior_whose_full_precision_is_not_definite_takes_its_diagonal_wit
     np.testing.assert_allclose(loc, [1.0, -2.0], rtol=1e-6)
     np.testing.assert_allclose(np.square(scale), np.diag(covariance + covariance @ np.diag([0.5, 2.0]) @ covariance),
                                rtol=1e-5)
-    assert noise_aware.precision_rule(q, state) == "diagonal"
+    assert noise_aware.posterior_and_rule(q, state)[1] == "diagonal"
     large_bias = dict(state, curvature_bias=jnp.stack([jnp.array([[5.0, 0.0], [0.0, 6.0]])]))  # 4 - 5 < 0
     precision, rule = noise_aware.posterior_precision(q, large_bias)
     assert noise_aware.PRECISION_RULES[int(rule)] == "fitted"
     np.testing.assert_allclose(precision, np.diag([4.0, 10.0]), rtol=1e-6)  # the bias kept where it leaves P > 0
     definite = {"factor_curvature": jnp.stack([jnp.array([[1.0, 0.5], [0.5, 3.0]])])}
-    assert noise_aware.precision_rule(q, definite) == "full"
+    assert noise_aware.posterior_and_rule(q, definite)[1] == "full"
 
 
 def test_the_local_step_is_chosen_by_the_models_dimension():
