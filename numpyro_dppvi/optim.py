@@ -50,8 +50,8 @@ class CVIState(NamedTuple):
     mean: Any
 
 
-def cvi(precision_step: float = 0.5, mean_optimizer: optax.GradientTransformation | None = None
-        ) -> optax.GradientTransformationExtraArgs:
+def cvi(precision_step: float = 0.5, mean_optimizer: optax.GradientTransformation | None = None,
+        max_precision_growth: float = 10.0) -> optax.GradientTransformationExtraArgs:
     """Local steps for a mean-field Gaussian ``q = N(mu, diag(s^2))``: a conjugate-computation
     (natural-gradient) step for the precisions and ``mean_optimizer`` (default ``optax.adam(0.1)``)
     for the means, measured in sds of the ``q`` the update started from.
@@ -76,6 +76,20 @@ def cvi(precision_step: float = 0.5, mean_optimizer: optax.GradientTransformatio
     ``log s``, whose steps are about its learning rate whatever the gradient, the step follows the
     curvature: a prior of sd 1 reaches a posterior of sd 0.01 in a few steps instead of hundreds.
 
+    A step multiplies a precision by at most ``c`` (``max_precision_growth``)::
+
+        P_new = min(P (1 - beta g_r), c P),
+
+    a trust region of ``(c - 1 - log c) / 2`` nats per coordinate (3.35 at ``c = 10``) that leaves the fixed
+    points unchanged (there the factor is 1). Without it one step can set a precision to half of a target
+    estimated in ``q``'s tails: where the likelihood's curvature grows without bound (a Weibull shape ``k``,
+    whose curvature grows like ``(t / scale)^k``), ``E_q[f'']`` under a prior-wide ``q`` is dominated by
+    the draws with the largest ``k``. Measured on the calibration zoo's censored Weibull regression (20 data
+    sets x 3 keys): a first client's precision of ``log k`` jumped from 2.5 to 7e9 in one step, the
+    second-order rule then shrinks it by only 0.625 a step, 20 steps left it near 1e9, and 13 of the 60 fits
+    raised ``FitDiverged`` in round 2; none with ``c = 10``. A prior of sd 1 still reaches a posterior of sd
+    0.01 (``P`` times 1e4) in four steps.
+
     The means are moved by ``mean_optimizer`` on ``z = (mu - mu_0) / s_0``, ``s_0`` the sds at
     ``init`` (every PVI local update starts afresh from the current ``q``): Adam's steps of about its
     learning rate are then a fixed fraction of the posterior's width on every coordinate, whatever
@@ -93,7 +107,10 @@ def cvi(precision_step: float = 0.5, mean_optimizer: optax.GradientTransformatio
     if not 0.0 < precision_step <= 0.5:
         raise ValueError(f"precision_step must lie in (0, 0.5] (larger steps can halve a precision at once), "
                          f"got {precision_step}")
-    beta = float(precision_step)
+    if not max_precision_growth > 1.0:
+        raise ValueError(f"max_precision_growth must be > 1 (the factor a step may multiply a precision by), "
+                         f"got {max_precision_growth}")
+    beta, growth = float(precision_step), float(max_precision_growth)
     mean_optimizer = optax.adam(0.1) if mean_optimizer is None else mean_optimizer
 
     def init(params):
@@ -106,7 +123,7 @@ def cvi(precision_step: float = 0.5, mean_optimizer: optax.GradientTransformatio
         if params is None:
             raise ValueError("cvi needs the current params: optimizer.update(grads, state, params)")
         g_r = -objective_scale * grads["log_scale"]
-        factor = 1.0 - beta * g_r + jnp.where(g_r >= 1.0, 0.5 * jnp.square(beta * g_r), 0.0)
+        factor = jnp.minimum(1.0 - beta * g_r + jnp.where(g_r >= 1.0, 0.5 * jnp.square(beta * g_r), 0.0), growth)
         step, mean_state = mean_optimizer.update(grads["loc"] * state.start_scale, state.mean)
         return ({"loc": step * state.start_scale, "log_scale": -0.5 * jnp.log(factor)},
                 CVIState(state.start_scale, mean_state))

@@ -4,7 +4,7 @@ import numpy as np
 import optax
 import pytest
 
-from numpyro_dppvi.optim import natural_gradient
+from numpyro_dppvi.optim import cvi, natural_gradient
 
 
 def test_natural_gradient_step_is_fisher_preconditioned():
@@ -29,3 +29,22 @@ def test_natural_gradient_solves_a_gaussian_fit_in_one_unit_step():
     np.testing.assert_allclose(optax.apply_updates(params, updates)["loc"], [m], rtol=1e-6)
     with pytest.raises(ValueError):
         natural_gradient(0.0)
+
+
+def test_a_cvi_step_multiplies_a_precision_by_at_most_its_growth_cap():
+    """``P_new = min(P (1 - beta g_r), c P)``: from ``P = 1`` a target precision of 1e9 (a curvature read in the
+    tails of a prior-wide q, as the zoo's Weibull shape gives) moves ``P`` to ``c = 10``, not to 5e8; a target of 4
+    (factor 2.5) is untouched, and so is a precision at its target (the fixed points do not move). Exact gradients:
+    the values are algebra, not statistics."""
+    params = {"loc": jnp.zeros(3), "log_scale": jnp.zeros(3)}  # s = 1, P = 1
+    targets = jnp.array([1e9, 4.0, 1.0])
+    g_r = 1.0 - targets  # 1 - s^2 T; the update takes gradients of -L: grads["log_scale"] = -g_r
+    opt = cvi()
+    updates, _ = opt.update({"loc": jnp.zeros(3), "log_scale": -g_r}, opt.init(params), params)
+    new_precision = np.exp(-2.0 * np.asarray(updates["log_scale"]))
+    np.testing.assert_allclose(new_precision, [10.0, 2.5, 1.0], rtol=1e-6)
+    uncapped = cvi(max_precision_growth=float("inf"))
+    updates, _ = uncapped.update({"loc": jnp.zeros(3), "log_scale": -g_r}, uncapped.init(params), params)
+    np.testing.assert_allclose(np.exp(-2.0 * np.asarray(updates["log_scale"])), [5e8, 2.5, 1.0], rtol=1e-6)
+    with pytest.raises(ValueError, match="max_precision_growth must be > 1"):
+        cvi(max_precision_growth=1.0)
