@@ -15,11 +15,15 @@ prior, the observations simulated at fixed covariates, seed 0, ``rng_key = key(c
 data sets, and records the pooled 50% and 90% coverage with its Monte Carlo standard error (over data sets), the
 per-site 90% coverage and widening, the smallest VSBC and uniformity KS p-values, the rank histogram (10 bins of the
 ranks among 99 draws, pooled), how many fits raised, warned (per warning class) or were called converged, and each
-fit's round-to-round jitter (posterior sd) and own coverage: what a flag of a fit that cannot vouch for its intervals
-must be read against. ``pvi`` cells also fit NUTS (500 + 500) on the pooled data of the first ``--nuts`` data sets:
+fit's round-to-round jitter (posterior sd) and own coverage; how many fits flagged themselves (``result.calibrated``
+False, ``flagged``) and the coverage of the others (``cover90_unflagged``, ``cover50_unflagged``). A cell holds the
+promise (``private_cells_in_bar_or_flagged``) when it covers, when every fit is flagged, or when its unflagged fits
+cover; a flag is earned when no covering cell flags more than one fit in ten
+(``covering_cells_flagging_more_than_one_in_ten`` lists those that do). ``pvi`` cells also fit NUTS (500 + 500) on the pooled data of the first ``--nuts`` data sets:
 the worst mean gap to it in NUTS posterior sds.
 
-Bars (issue 59): 90% coverage within 0.85-0.95 and 50% within 0.42-0.58.
+Bars (issue 59): 90% coverage within 0.85-0.95 and 50% within 0.42-0.58 (the unflagged fits' coverage is read
+against the same bars).
 
 Run from a checkout: ``python benchmarks/calibration_zoo.py`` runs every cell (``--models``, ``--methods``,
 ``--rows``, ``--epsilons`` to run some; ``--jobs N`` splits the cells over N processes). Cells are merged into
@@ -46,6 +50,7 @@ sys.path.insert(0, str(ROOT))  # tests.calibration_zoo_models: the models shared
 
 import jax  # noqa: E402
 import numpy as np  # noqa: E402
+from scipy.stats import norm  # noqa: E402
 from _common import results_dir, write  # noqa: E402
 
 import numpyro_dppvi as dppvi  # noqa: E402
@@ -121,6 +126,10 @@ def run_cell(model_name: str, method: str, rows: int, epsilon, datasets: int, nu
     z = report.errors()
     for k, result in enumerate(report.results):
         fits.append(fit_record(result, z[k]))
+    flagged = np.array([r is not None and r.calibrated is False for r in report.results])
+    unflagged = z[~flagged & np.array([r is not None for r in report.results])]
+    within = lambda level: round(float(np.mean(np.abs(unflagged) < norm.ppf(0.5 + level / 2))), 4) \
+        if unflagged.size else None
     out = {"model": model_name, "method": method, "rows": rows, "epsilon": epsilon, "datasets": datasets,
            "cover50": round(c50, 4), "se50": round(se50, 4), "cover90": round(c90, 4), "se90": round(se90, 4),
            "in_bar": bool(0.85 <= c90 <= 0.95 and 0.42 <= c50 <= 0.58),
@@ -133,6 +142,7 @@ def run_cell(model_name: str, method: str, rows: int, epsilon, datasets: int, nu
            "failures": [f[1][:200] for f in report.failures[:3]],
            "warned": report.warnings,
            "converged_true": sum(f.get("converged") is True for f in fits),
+           "flagged": int(flagged.sum()), "cover90_unflagged": within(0.9), "cover50_unflagged": within(0.5),
            "precision_rules": {rule: sum(f.get("precision_rule") == rule for f in fits)
                                for rule in {f.get("precision_rule") for f in fits} if rule is not None},
            "fits": fits, "seconds": round(seconds, 1)}
@@ -160,15 +170,26 @@ def merge(parts: list[dict], directory=None) -> Path:
     path = results_dir(directory) / f"{NAME}.json"
     previous = json.loads(path.read_text()) if path.exists() else {}
     existing = previous.get("cells", {})
-    kept = {k: v for k, v in previous.items() if k not in ("benchmark", "machine", "bars", "commit",
-                                                            "private_cells_in_bar", "cells")}
+    kept = {k: v for k, v in previous.items() if k not in (
+        "benchmark", "machine", "bars", "commit", "private_cells_in_bar", "private_cells_in_bar_or_flagged",
+        "covering_cells_flagging_more_than_one_in_ten", "cells")}
     for part in parts:
         existing[cell_name(part["model"], part["method"], part["rows"], part["epsilon"])] = part
     in_bar = {name: c["in_bar"] for name, c in existing.items() if c["method"] != "pvi"}
+    # a cell holds the promise when it covers, or when its fits that do not flag themselves cover (all flagged: none
+    # left); a flag is earned when a covering cell flags at most one fit in ten
+    honest = {name: c["in_bar"] or c.get("flagged", 0) == c["datasets"] or (
+        c.get("cover90_unflagged") is not None and c.get("flagged", 0) > 0
+        and 0.85 <= c["cover90_unflagged"] <= 0.95 and 0.42 <= c["cover50_unflagged"] <= 0.58)
+        for name, c in existing.items() if c["method"] != "pvi"}
+    overflagged = sorted(name for name, c in existing.items()
+                         if c["method"] != "pvi" and c["in_bar"] and c.get("flagged", 0) > c["datasets"] / 10)
     commit = subprocess.run(["git", "-C", str(ROOT), "describe", "--always", "--dirty"], capture_output=True,
                             text=True).stdout.strip()
     return write(NAME, {"bars": {"cover90": [0.85, 0.95], "cover50": [0.42, 0.58]}, "commit": commit,
                         "private_cells_in_bar": f"{sum(in_bar.values())} of {len(in_bar)}",
+                        "private_cells_in_bar_or_flagged": f"{sum(honest.values())} of {len(honest)}",
+                        "covering_cells_flagging_more_than_one_in_ten": overflagged,
                         **kept, "cells": dict(sorted(existing.items()))}, directory)
 
 

@@ -89,8 +89,12 @@ class PosteriorRuleWarning(UserWarning):
     """A documented rule changed part of an invalid posterior (the history counts what it changed)."""
 
 
+class CalibrationWarning(UserWarning):
+    """A private fit cannot vouch for its credible intervals (``result.calibrated`` is False)."""
+
+
 #: Every warning a fit gives about its own result (the command line reports them as notes).
-FIT_WARNINGS = (ConvergenceWarning, NoiseWarning, ClientUpdateWarning, PosteriorRuleWarning)
+FIT_WARNINGS = (ConvergenceWarning, NoiseWarning, ClientUpdateWarning, PosteriorRuleWarning, CalibrationWarning)
 
 _PACKAGE = os.path.dirname(os.path.abspath(__file__)) + os.sep
 

@@ -75,13 +75,24 @@ class Result:
     calibration = None
 
     @property
+    def converged(self) -> bool | None:
+        """Whether the fit reached its fixed point and can vouch for the posterior (``convergence["converged"]``,
+        :func:`numpyro_dppvi.diagnostics.convergence`; False beside intervals the fit flags as not calibrated);
+        None for a result that records no convergence summary."""
+        convergence = getattr(self, "convergence", None)
+        return None if not convergence else convergence.get("converged")
+
+    @property
     def calibrated(self) -> bool | None:
-        """What a calibration check found of this fit's credible intervals: ``True`` or ``False`` on a result that
+        """What is known of this fit's credible intervals: ``True`` or ``False`` on a result that
         :meth:`CalibrationReport.annotate <numpyro_dppvi.simulation_calibration.CalibrationReport.annotate>` returned
         (the pooled 50% and 90% coverage of :func:`numpyro_dppvi.calibration_check` within their bars, or not);
-        ``None`` when no check was run, or for a posterior that a check's widening changed since
-        (``report.recalibrate``). One fit alone cannot tell whether its intervals cover; the check measures it on
-        your model."""
+        ``False`` from the fit itself when it cannot vouch for them (a noise-aware DP optimisation fit whose
+        posterior could not use the clients' curvature estimates, :func:`numpyro_dppvi.pvi.noise_aware.calibration`:
+        its ``convergence["converged"]`` is then False too, and a
+        :class:`~numpyro_dppvi.diagnostics.CalibrationWarning` says what to do); ``None`` otherwise, or for a
+        posterior that a check's widening changed since (``report.recalibrate``). A fit that does not flag itself
+        is not thereby calibrated: the check measures that on your model."""
         return None if self.calibration is None else self.calibration.get("calibrated")
 
     @classmethod
@@ -203,7 +214,7 @@ class DPPVIResult(Result):
     data-independent settings), ``rounds`` (rounds completed), ``convergence`` (how far ``q`` was
     from its fixed point when the fit stopped, :func:`numpyro_dppvi.diagnostics.convergence`; the
     history's ``change`` is the largest move of one round in posterior-sd units), ``calibration`` (private fits:
-    ``{"calibrated": None, "precision_rule": ...}``; a check's verdict once annotated, :attr:`calibrated`) and, for
+    ``{"calibrated": None or False, "precision_rule": ...}``; a check's verdict once annotated, :attr:`calibrated`) and, for
     a fit just run, ``updates`` (per client: rounds taken part, valid updates; not saved).
     """
 
@@ -225,6 +236,19 @@ class DPPVIResult(Result):
         self.convergence = convergence
         self.calibration = calibration
         self.updates = None
+
+    def __repr__(self) -> str:
+        privacy = (f"epsilon={self.privacy.epsilon:.4g}, delta={self.privacy.delta_total:.3g}" if self.is_private
+                   else "private=False")
+        return (f"DPPVIResult(method={self.method!r}, family={self.family!r}, rounds={self.rounds}, "
+                f"converged={self.converged}, {privacy}, calibrated={self.calibrated})")
+
+    def _rows(self, data: tuple) -> tuple:
+        """Evaluation rows as the model's arrays: ``f(x, y)``, or ``f((x, y))`` as ``fit_dppvi(eval_data=...)``
+        takes them."""
+        if len(data) == 1 and isinstance(data[0], (tuple, list)):
+            data = tuple(data[0])
+        return self.adapter.validate_data(data, "evaluation data")
 
     @property
     def noise_aware(self) -> bool:
@@ -293,19 +317,20 @@ class DPPVIResult(Result):
 
     def pointwise_log_likelihood(self, *data, num_samples: int = 100, rng_key=None) -> np.ndarray:
         """``log p(x_i | theta_s)``: ``[num_samples, n]`` (one compiled program per model)."""
-        arrays = self.adapter.validate_data(data, "evaluation data")
+        arrays = self._rows(data)
         u = self._draws(num_samples, resolve_key(rng_key))
         return np.asarray(jax.lax.map(lambda u_s: self.adapter.log_lik_rows(u_s, arrays), u))
 
     def log_predictive_density(self, *data, num_samples: int = 100, rng_key=None) -> np.ndarray:
         """Per-row log predictive density ``log (1/S) sum_s p(x_i | theta_s)``, ``[n]``."""
-        arrays = self.adapter.validate_data(data, "evaluation data")
+        arrays = self._rows(data)
         return log_predictive_density(self.adapter, self.q, arrays,
                                       resolve_key(rng_key), num_samples)
 
     def evaluate(self, *data, num_samples: int = 100, rng_key=None) -> dict:
-        """Mean log predictive density (and accuracy for Bernoulli observations) on held-out rows."""
-        arrays = self.adapter.validate_data(data, "evaluation data")
+        """Mean log predictive density (and accuracy for Bernoulli observations) on held-out rows: ``evaluate(x, y)``
+        or ``evaluate((x, y))``, the model's arrays with the observations."""
+        arrays = self._rows(data)
         return evaluate(self.adapter, self.q, arrays, resolve_key(rng_key), num_samples)
 
     # -- publishing ----------------------------------------------------------------------------

@@ -80,3 +80,17 @@ def test_save_load_round_trip_and_tamper_detection(fitted, tmp_path):
     (tmp_path / "edited.npz").write_bytes(buf.getvalue())
     with pytest.raises(ValueError, match="checksum"):
         dppvi.load(tmp_path / "edited.npz", regression)
+
+
+def test_a_result_describes_itself_and_evaluates_the_fits_eval_data_form(fitted):
+    """``repr`` names the method, family, rounds, convergence and privacy (as NumPyro's and ArviZ's objects say what
+    they are); ``converged`` is ``convergence["converged"]``; ``evaluate`` takes ``(x, y)`` as ``eval_data=`` does."""
+    result, (x, y) = fitted
+    text = repr(result)
+    assert text == (f"DPPVIResult(method='pvi', family='mean_field', rounds=3, converged={result.converged}, "
+                    "private=False, calibrated=None)")
+    assert result.converged is result.convergence["converged"]
+    key = jax.random.key(0)
+    assert result.evaluate((x[:50], y[:50]), rng_key=key) == result.evaluate(x[:50], y[:50], rng_key=key)
+    np.testing.assert_array_equal(result.log_predictive_density((x[:5], y[:5]), rng_key=key),
+                                  result.log_predictive_density(x[:5], y[:5], rng_key=key))

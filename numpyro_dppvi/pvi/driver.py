@@ -592,14 +592,19 @@ class DPPVI:
         """The public result of ``state``. A private fit's ``calibration`` (post-processing of the releases):
         ``calibrated`` None (one fit alone does not tell: :func:`numpyro_dppvi.calibration_check` measures it) and,
         for a noise-aware DP optimisation fit, the noise-aware posterior's ``precision_rule``
-        (:func:`.noise_aware.posterior_precision`), from the same program as its ``q``."""
+        (:func:`.noise_aware.posterior_precision`, from the same program as its ``q``), with ``calibrated`` False
+        where that rule cannot vouch for the intervals (:func:`.noise_aware.calibration`); its ``convergence`` then
+        says ``converged`` False (``calibrated`` False beside it), whatever the iterates did."""
         q, rule = self._noise_aware_q(state) if self.noise_aware else (state.q, None)
         calibration = None
         if self.plan is not None:
-            calibration = {"calibrated": None} if rule is None else {"calibrated": None, "precision_rule": rule}
+            calibration = {"calibrated": None} if rule is None else noise_aware.calibration(rule)
+        convergence = getattr(self, "convergence", None)
+        if convergence is not None and calibration is not None and calibration["calibrated"] is False:
+            convergence = dict(convergence, converged=False, calibrated=False)
         return DPPVIResult(self.adapter, q, history, method=self.method, schedule=self.schedule,
                            privacy=self.ledger, config=self.settings(), rounds=int(state.round),
-                           convergence=getattr(self, "convergence", None),
+                           convergence=convergence,
                            q_fitted=state.q if self.noise_aware else None, calibration=calibration)
 
     def _noise_aware_q(self, state: PVIState):
@@ -733,7 +738,9 @@ class DPPVI:
         self.convergence = self._convergence(trajectory, history)
         result = self._result(state, history)
         self._check_updates(result, history)
-        if rounds and self.noise_aware:
+        if rounds and result.calibrated is False:
+            noise_aware.warn_uncalibrated(self.caller, result.calibration["precision_rule"], self.adapter.dim)
+        elif rounds and self.noise_aware:
             self._warn_if_noise_widens(state)
         if rounds:
             diagnostics.warn_if_unconverged(self.convergence, self.caller,
