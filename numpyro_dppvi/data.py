@@ -47,8 +47,9 @@ def _as_array_tuple(data, what: str, finite: bool = True) -> tuple[np.ndarray, .
     """Convert one client (a tuple/list of arrays) to a tuple of NumPy arrays."""
     if isinstance(data, (np.ndarray, np.generic)) or hasattr(data, "__array__"):
         raise TypeError(
-            f"{what} must be a tuple of arrays such as (x, y), got a single array; "
-            "wrap it in a tuple, e.g. (x,)."
+            f"{what} must be a tuple of arrays such as (x, y), got a single array; pass the model's arguments "
+            "as a tuple, features and labels apart, e.g. (df[features].to_numpy(), df[label].to_numpy()), or (x,) "
+            "for a model of x alone."
         )
     if not isinstance(data, (tuple, list)):
         raise TypeError(

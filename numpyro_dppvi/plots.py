@@ -99,14 +99,28 @@ def epsilon_per_round(result) -> np.ndarray:
     return out
 
 
+def _clients_label(group: list[int]) -> str:
+    """``client 3``, ``clients 0-4`` (a run of consecutive indices) or ``clients 0, 2, 5``."""
+    if len(group) == 1:
+        return f"client {group[0]}"
+    if group == list(range(group[0], group[0] + len(group))):
+        return f"clients {group[0]}-{group[-1]}"
+    return "clients " + ", ".join(str(m) for m in group)
+
+
 def plot_epsilon(result, ax=None, clients: Sequence[int] | None = None):
     """Each client's epsilon against the rounds (:func:`epsilon_per_round`), with the budget the fit was
-    calibrated to (``config["privacy"]["epsilon"]``) as a dashed line. ``clients``: which to draw (default all)."""
+    calibrated to (``config["privacy"]["epsilon"]``) as a dashed line. ``clients``: which to draw (default all);
+    clients whose curves coincide share one line and one legend entry ("clients 0-4")."""
     ax = _axes(ax)
     eps = epsilon_per_round(result)
     rounds = np.arange(1, eps.shape[0] + 1)
+    groups: list[list[int]] = []
     for m in range(eps.shape[1]) if clients is None else clients:
-        ax.plot(rounds, eps[:, m], marker=".", label=f"client {m}")
+        same = next((g for g in groups if np.array_equal(eps[:, g[0]], eps[:, m])), None)
+        (same.append(m) if same is not None else groups.append([m]))
+    for group in groups:
+        ax.plot(rounds, eps[:, group[0]], marker=".", label=_clients_label(group))
     budget = ((result.config or {}).get("privacy") or {}).get("epsilon")
     if budget is not None:
         ax.axhline(budget, linestyle="--", color="grey", label=f"budget {budget:g}")

@@ -205,7 +205,7 @@ def test_partition_rejects_bad_labels(labels, match):
 
 
 def test_partition_rejects_bad_arrays():
-    with pytest.raises(TypeError, match=r"got a single array; wrap it in a tuple"):
+    with pytest.raises(TypeError, match=r"got a single array; pass the model's arguments as a tuple, features and labels apart"):
         partition(np.zeros((10, 2)), 2)
     with pytest.raises(ValueError, match="disagree on their leading dimension"):
         partition((np.zeros((10, 2)), np.zeros(9)), 2)

@@ -124,3 +124,20 @@ def test_plot_calibration_reads_a_private_fit():
                                 rng_key=jax.random.key(0))
     assert len(ax.get_lines()[1].get_ydata()) == 2
     plt.close("all")
+
+
+def test_clients_whose_epsilon_curves_coincide_share_one_line(monkeypatch):
+    """Five equal clients draw one visible line: one legend entry, "clients 0-4", not five."""
+    curves = np.repeat(np.array([[0.5], [0.8], [1.0]]), 5, axis=1)
+    curves[:, 3] += 0.1  # client 3 differs
+    monkeypatch.setattr(plots, "epsilon_per_round", lambda result: curves)
+
+    class Fake:
+        config = {"privacy": {"epsilon": 1.0}}
+        privacy = type("Ledger", (), {"delta": 1e-5})()
+
+    ax = plots.plot_epsilon(Fake())
+    labels = [line.get_label() for line in ax.get_lines()]
+    assert labels == ["clients 0, 1, 2, 4", "client 3", "budget 1"]
+    assert plots._clients_label([0, 1, 2, 3, 4]) == "clients 0-4"
+    plt.close("all")
