@@ -145,7 +145,9 @@ class Result:
           ``q`` is close to the posterior (the fit's ``convergence`` and ``history`` say the former;
           ``benchmarks/fidelity.py`` and ``benchmarks/coverage.py`` measure the latter).
         * given ``eval_data`` (the model's arguments with the observations): ``log_likelihood`` (one value
-          per row and draw, for ``az.loo`` / ``az.compare``) and ``observed_data``.
+          per row and draw, for ``az.loo`` / ``az.compare``) and ``observed_data``. Without it there is no
+          ``log_likelihood`` group (a fit keeps no rows), and ``az.loo`` / ``az.waic`` stop with ArviZ's "log
+          likelihood not found": pass the rows to score, e.g. ``eval_data=(x_test, y_test)``.
 
         ``rng_key=None`` draws fresh randomness (:func:`resolve_key`)."""
         if int(num_chains) != num_chains or num_chains < 1 or num_samples % num_chains:

@@ -43,6 +43,7 @@ The client's answer is the mean of ``(mu, Lambda)`` over the last ``average`` sh
 
 from __future__ import annotations
 
+import functools
 from dataclasses import dataclass
 from typing import Any, Callable
 
@@ -143,7 +144,8 @@ def expected_derivatives(f: Callable, u: jax.Array) -> tuple[jax.Array, jax.Arra
             jnp.einsum("s,sde->de", weight, jnp.where(ok[:, None, None], hessians, 0.0)))
 
 
-def newton_step(mean, precision, grad, hess, cavity: Gaussian, beta: float, lead=True, chol=None):
+def newton_step(mean, precision, grad, hess, cavity: Gaussian, beta: float, lead=True, chol=None,
+                growth: float = float("inf")):
     """One step towards (*) of the module docstring: ``(mean', precision')``.
 
     ``lead=False``: the mean's step is preconditioned by the current ``precision``, not ``precision'``.
@@ -153,7 +155,10 @@ def newton_step(mean, precision, grad, hess, cavity: Gaussian, beta: float, lead
     current precision depends on earlier batches only, so the mean's step is unbiased given it. The
     first step of an update leads (``lead=True``): from a prior far wider than the posterior, the
     current precision would make the mean's step many sds long. ``chol``: the Cholesky factor of
-    ``precision`` when the caller has it."""
+    ``precision`` when the caller has it. ``growth`` (``c``, :class:`~numpyro_dppvi.optim.Newton`'s
+    ``max_precision_growth``): where the largest eigenvalue ``r`` of ``Lambda^{-1} Lambda'`` exceeds ``c``,
+    ``Lambda' <- Lambda + (c - 1) / (r - 1) (Lambda' - Lambda)`` (a point of the segment, so positive definite),
+    whose largest ratio is ``c``."""
     cavity_precision = -2.0 * cavity.eta2
     target = cavity_precision - hess
     target = 0.5 * (target + target.T)
@@ -163,9 +168,14 @@ def newton_step(mean, precision, grad, hess, cavity: Gaussian, beta: float, lead
     second_order = 0.5 * beta ** 2 * gap @ jnp.linalg.solve(precision, gap)
     new = precision + beta * gap + jnp.where(definite, 0.0, 1.0) * second_order
     new = 0.5 * (new + new.T)
+    chol = jnp.linalg.cholesky(precision) if chol is None else chol
+    if growth != float("inf"):
+        solve = functools.partial(jax.scipy.linalg.solve_triangular, chol, lower=True)
+        ratio = jnp.max(jnp.linalg.eigvalsh(solve(solve(new).T)))  # of L^-1 Lambda' L^-T
+        shrink = jnp.where(ratio > growth, (growth - 1.0) / jnp.maximum(ratio - 1.0, 1e-30), 1.0)
+        new = precision + shrink * (new - precision)
     new_chol = jnp.linalg.cholesky(new)
     residual = grad + cavity.eta1 - cavity_precision @ mean
-    chol = jnp.linalg.cholesky(precision) if chol is None else chol
     preconditioner = jnp.where(lead, new_chol, chol)
     move = beta * jax.scipy.linalg.cho_solve((preconditioner, True), residual)
     length = jnp.sqrt(jnp.maximum(move @ new @ move, 0.0))
@@ -178,7 +188,7 @@ def _from_mean_precision(mean, precision) -> Gaussian:
 
 
 def iterate(objective: Callable, q: Gaussian, cavity: Gaussian, steps: int, key, num_samples: int,
-            beta, average: float, antithetic: bool = True):
+            beta, average: float, antithetic: bool = True, growth: float = float("inf")):
     """``steps`` Newton steps from ``q`` on ``E_q[objective(u, step)] + E_q[log cavity] + H[q]``;
     returns ``(q_new, last loss)``, ``q_new`` the tail average of ``(mu, Lambda)``."""
     mean0, precision0 = factors.mean_and_precision(q)
@@ -193,7 +203,8 @@ def iterate(objective: Callable, q: Gaussian, cavity: Gaussian, steps: int, key,
         cov = jax.scipy.linalg.cho_solve((chol, True), jnp.eye(dim, dtype=mean.dtype))
         entropy = 0.5 * dim * jnp.log(2 * jnp.pi * jnp.e) - jnp.sum(jnp.log(jnp.diag(chol)))
         loss = -(value + factors.expected_log_factor_full(mean, cov, cavity) + entropy)
-        mean, precision = newton_step(mean, precision, grad, hess, cavity, beta, lead=t == 0, chol=chol)
+        mean, precision = newton_step(mean, precision, grad, hess, cavity, beta, lead=t == 0, chol=chol,
+                                      growth=growth)
         keep = (t >= first).astype(mean.dtype)
         return (mean, precision, sum_mean + keep * mean, sum_precision + keep * precision), loss
 
@@ -251,7 +262,8 @@ class NonPrivateFullRank:
         n_valid = jnp.maximum(jnp.sum(mask), 1).astype(jnp.float32)
         fraction = 1.0 if order is None else jnp.minimum(self.batch_size / n_valid, 1.0)
         q_new, loss = iterate(objective, q, cavity, self.local_steps, k_steps, self.num_samples,
-                              self.newton.precision_step * fraction, self.average)
+                              self.newton.precision_step * fraction, self.average,
+                              growth=self.newton.max_precision_growth)
         return q_new, client_state, {"loss": loss / n}
 
 
