@@ -87,8 +87,8 @@ def test_a_result_describes_itself_and_evaluates_the_fits_eval_data_form(fitted)
     they are); ``converged`` is ``convergence["converged"]``; ``evaluate`` takes ``(x, y)`` as ``eval_data=`` does."""
     result, (x, y) = fitted
     text = repr(result)
-    assert text == (f"DPPVIResult(method='pvi', family='full_rank', rounds=3, converged={result.converged}, "
-                    "private=False, calibrated=None)")  # 3 latents: full-rank by default
+    assert text == (f"DPPVIResult(method='pvi', family='mean_field', rounds=3, converged={result.converged}, "
+                    "private=False, calibrated=None)")
     assert result.converged is result.convergence["converged"]
     key = jax.random.key(0)
     assert result.evaluate((x[:50], y[:50]), rng_key=key) == result.evaluate(x[:50], y[:50], rng_key=key)

@@ -37,10 +37,6 @@ def covariates(clients=3, rows=60, seed=0):
     return [(rng.normal(size=(rows, 2)).astype(np.float32),) for _ in range(clients)]
 
 
-#: The fits these tests measured: non-private mean-field PVI (the default of 3 latents is full-rank since issue 59).
-MEAN_FIELD = {"family": "mean_field"}
-
-
 def shrunk(factor):
     """A fit whose posterior sds are ``factor`` times what non-private PVI reports: miscalibrated on purpose."""
     def fit(clients, rng_key=None, **options):
@@ -54,7 +50,7 @@ def shrunk(factor):
 @pytest.fixture(scope="module")
 def calibrated_report():
     """Non-private PVI on a model whose posterior is close to Gaussian in the unconstrained space: calibrated."""
-    return dppvi.calibration_check(linear, covariates(), MEAN_FIELD, num_datasets=24, rng_key=jax.random.key(0))
+    return dppvi.calibration_check(linear, covariates(), {}, num_datasets=24, rng_key=jax.random.key(0))
 
 
 def test_simulated_clients_follow_the_model():
@@ -91,7 +87,7 @@ def test_a_calibrated_fit_is_called_calibrated(calibrated_report):
 
 def test_the_check_catches_a_posterior_shrunk_by_a_known_factor(calibrated_report):
     """sds halved: the truth's z is twice a calibrated one's, so 90% intervals cover P(|N(0,1)| < 0.82) = 0.59."""
-    report = dppvi.calibration_check(linear, covariates(), MEAN_FIELD, num_datasets=24, rng_key=jax.random.key(0),
+    report = dppvi.calibration_check(linear, covariates(), {}, num_datasets=24, rng_key=jax.random.key(0),
                                      fit=shrunk(0.5))
     cover, se = report.coverage(0.9)
     expected = 2 * stats.norm.cdf(stats.norm.ppf(0.95) / 2) - 1

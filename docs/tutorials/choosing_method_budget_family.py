@@ -53,9 +53,7 @@ print("covariate correlations:\n", np.round(np.corrcoef(x.T), 2))
 # %% [markdown]
 # ## The family
 #
-# A mean-field `q` (the default of most private methods, and of non-private fits above 32 latents; below it
-# non-private PVI takes full-rank factors, the guide's section 3) has independent coordinates. With correlated
-# covariates the posterior of the
+# A mean-field `q` (the default) has independent coordinates. With correlated covariates the posterior of the
 # weights is correlated too, and mean-field VI then *under-states* each marginal sd: it fits the narrow
 # conditional widths. `family="full_rank"` keeps a full precision matrix per factor; `family="low_rank",
 # rank=r` a diagonal plus rank `r`, for models with many latents.

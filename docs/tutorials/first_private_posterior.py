@@ -63,8 +63,7 @@ print([len(c[0]) for c in clients], "rows per client; true weights", np.round(w_
 # ## Without privacy
 #
 # Partitioned variational inference: each client keeps a factor of the posterior and refines it against the
-# others' (its *cavity*). Non-private fits run until `q` has converged; with up to 32 latents, as here, its factors
-# are full-rank (correlations included).
+# others' (its *cavity*). Non-private fits run until `q` has converged.
 
 # %%
 public = dppvi.fit_dppvi(logistic, clients, rng_key=jax.random.key(1))

@@ -70,15 +70,6 @@ NEWTON_MAX_DIM = 32
 #: likelihood), 0.98x with 20 steps, whose RMS error is also smaller (0.060 against 0.079); with 20 rounds of 10 steps
 #: instead, 1.44x.
 PRIVATE_NEWTON_DEFAULTS = dict(damping=1.0, tail_average=0.5, local_steps=20)
-#: Non-private PVI without a family or an optimizer, on models of up to NEWTON_MAX_DIM latents: full-rank factors with
-#: optim.Newton steps (the family is chosen by the model's dimension, DPPVI._resolve_pvi_family) and damping 0.5.
-#: Mean-field q cannot follow the correlations of hierarchical posteriors: on the calibration zoo's hierarchical
-#: models (benchmarks/calibration_zoo.py, 2,000 rows over 5 clients) mean-field means were 0.5-0.8 (logistic) and up
-#: to 1.4 (Poisson) NUTS sd off, NumPyro's AutoNormal 4-9 on the Poisson model, full-rank 0.14-0.3; on the 13
-#: models of benchmarks/fidelity.py full-rank is no worse than mean-field on any. Damping 0.5: undamped, 2 of 3
-#: fits of the hierarchical Poisson model raised FitDiverged in round 2 (a cavity q / t_m not positive definite
-#: where the likelihood in (tau, z) is not log-concave); with it and Newton's precision-growth cap, none.
-PVI_FULL_RANK_DEFAULTS = dict(damping=0.5)
 #: Virtual clients with full-rank factors (issue 23): the family when ``family`` is left out, for models of up to
 #: :data:`NEWTON_MAX_DIM` latent dimensions whose clients each release their own update (no trusted aggregator) and
 #: a noise-aware posterior (``noise_aware`` not False); with them 20 rounds at damping 0.25 and the clip of

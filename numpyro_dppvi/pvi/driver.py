@@ -40,7 +40,7 @@ from . import noise_aware, release_noise
 from . import plan as plan_module
 from . import resume as resume_module
 from .defaults import (DEFAULT_LOCAL_STEPS, DEFAULT_OPTIMIZER, DEFAULT_ROUNDS, FAILED_UPDATES_TOLERATED,
-                       METHOD_DEFAULTS, METHODS, NEWTON_MAX_DIM, PRIVATE_NEWTON_DEFAULTS, PVI_FULL_RANK_DEFAULTS, PVI_FULL_RANK_DEFAULTS,
+                       METHOD_DEFAULTS, METHODS, NEWTON_MAX_DIM, PRIVATE_NEWTON_DEFAULTS,
                        MIN_ROUNDS, PRIVACY_UNITS, UPDATE_METHODS, VIRTUAL_FULL_RANK_DEFAULTS, default_schedule,
                        did_you_mean, shards_of_batch, virtual_clip)
 from .local import releases_pairs
@@ -78,9 +78,8 @@ class DPPVI:
         schedule: ``"sequential" | "synchronous" | "asynchronous"``; default sequential for ``"pvi"`` and
             ``"dp_optimisation"``, synchronous for the update-perturbation methods, a trusted aggregator
             and client-level DP (:data:`METHOD_DEFAULTS`).
-        optimizer: an optax ``GradientTransformation`` for the local steps (default: ``optim.Newton()`` for
-            non-private ``"pvi"`` of up to :data:`~.defaults.NEWTON_MAX_DIM` latents, whose family is then full-rank,
-            ``optim.cvi()`` above it, ``natural_gradient(0.5)`` for virtual clients, ``adam(1e-2)`` otherwise).
+        optimizer: an optax ``GradientTransformation`` for the local steps (default: ``optim.cvi()`` for
+            ``"pvi"``, ``natural_gradient(0.5)`` for virtual clients, ``adam(1e-2)`` otherwise).
         local_steps: optimiser steps per client (per shard for update perturbation) per round (default
             20 for ``"pvi"`` and for DP optimisation's private Newton steps, 10 otherwise).
         batch_size: rows per local step (``None``: the client's whole data). DP optimisation requires it: the
@@ -88,8 +87,7 @@ class DPPVI:
             the accounting amplifies by, so that it trades noise per step against steps per budget and is yours to
             choose (100-200 rows on the benchmarks' clients of 200-6,700 rows, docs/guide.md §4).
         num_samples: Monte Carlo draws of ``q`` per step, shared across the batch.
-        damping: ``rho`` in ``t_m <- t_m + rho (q_new - q)`` (default 1; 0.5 for DP optimisation's optax step and for
-            the full-rank factors non-private PVI chooses, :data:`~.defaults.PVI_FULL_RANK_DEFAULTS`).
+        damping: ``rho`` in ``t_m <- t_m + rho (q_new - q)``.
         server_steps: steps of the server's prior-factor refinement per round (non-Gaussian priors).
         privacy: a :class:`~numpyro_dppvi.privacy.Privacy`.
         rounds: the planned number of rounds; needed to calibrate the noise to a budget.
@@ -105,10 +103,9 @@ class DPPVI:
         tail_average: the share of the last local iterates whose mean is the client's answer (default
             0.5 for ``"pvi"``, 0 otherwise; :func:`~numpyro_dppvi.pvi.local.optimise`).
         family: the Gaussian family of ``q`` and of every factor: ``"mean_field"`` (the default: independent
-            coordinates, ``O(D)`` per factor; left out with no optimizer, non-private PVI and private virtual
-            clients with a noise-aware posterior of up to :data:`~.defaults.NEWTON_MAX_DIM` latents take
-            ``"full_rank"`` and its measured defaults, :meth:`_resolve_pvi_family`, :meth:`_resolve_virtual_defaults`)
-            or ``"full_rank"`` (a full precision matrix, ``O(D^2)``
+            coordinates, ``O(D)`` per factor; left out, private virtual clients of up to
+            :data:`~.defaults.NEWTON_MAX_DIM` latents with a noise-aware posterior take ``"full_rank"`` and its
+            measured defaults, :meth:`_resolve_virtual_defaults`) or ``"full_rank"`` (a full precision matrix, ``O(D^2)``
             memory per client and ``O(D^3)`` per step; local steps by :class:`~numpyro_dppvi.optim.Newton`,
             :mod:`~numpyro_dppvi.pvi.full_rank`). Mean-field under-states the sds of correlated posteriors
             (docs/guide.md, "Choosing the family"). ``"full_rank"`` is available without privacy
@@ -140,9 +137,6 @@ class DPPVI:
         # virtual clients without a family or optimizer: the family is chosen by the model's dimension once the
         # model is traced (_resolve_virtual_defaults); mean-field until then and for every other method
         self.auto_family = family is None and method == "virtual_clients" and optimizer is None
-        # non-private PVI without a family or optimizer: full-rank factors up to NEWTON_MAX_DIM latents, chosen once
-        # the model is traced (_resolve_pvi_family)
-        self.auto_pvi_family = family is None and method == "pvi" and optimizer is None and privacy is None
         family = "mean_field" if family is None else family
         factors.check_family(family, "DPPVI")
         if rank is not None and family != "low_rank":
@@ -327,8 +321,6 @@ class DPPVI:
             self._resolve_local_step(a.dim)
         if self.method == "virtual_clients":
             self._resolve_virtual_defaults(a.dim)
-        if self.auto_pvi_family:
-            self._resolve_pvi_family(a.dim)
         pair = releases_pairs(self.optimizer, self.family)
         rank = self.rank or 0
         dimension = (objectives.release_dimension(a.dim, self.num_samples, pair)
@@ -545,16 +537,6 @@ class DPPVI:
             self.damping = float(VIRTUAL_FULL_RANK_DEFAULTS["damping"])
         if self.auto_rounds and self.planned_rounds is None:
             self.planned_rounds = int(VIRTUAL_FULL_RANK_DEFAULTS["rounds"]) if full else DEFAULT_ROUNDS
-
-    def _resolve_pvi_family(self, dim: int):
-        """Non-private PVI's family by the model's dimension ``D``, when neither a family nor an optimizer was given:
-        up to :data:`~.defaults.NEWTON_MAX_DIM` latents full-rank factors with :class:`~numpyro_dppvi.optim.Newton`
-        steps and :data:`~.defaults.PVI_FULL_RANK_DEFAULTS` (damping 0.5 unless given); above it mean-field with
-        :func:`~numpyro_dppvi.optim.cvi` (the method's defaults)."""
-        if dim <= NEWTON_MAX_DIM:
-            self.family, self.optimizer = "full_rank", Newton()
-            if self.given["damping"] is None:
-                self.damping = float(PVI_FULL_RANK_DEFAULTS["damping"])
 
     def _resolve_local_step(self, dim: int):
         """DP optimisation's local step when no optimizer is given, by the model's dimension ``D``

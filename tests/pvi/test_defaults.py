@@ -153,25 +153,3 @@ def test_the_default_clip_is_the_same_for_every_neighbour():
             xs[row], ys[row] = new_x[0], new_y[0]
             clients = [(xs[:40], ys[:40]), (xs[40:], ys[40:])]
         assert fitted(clients).settings() == base, kind
-
-
-def test_non_private_pvi_chooses_full_rank_factors_by_the_models_dimension():
-    """Without a family or optimizer, non-private PVI of up to ``NEWTON_MAX_DIM`` latents takes full-rank factors with
-    Newton steps at damping 0.5 (``PVI_FULL_RANK_DEFAULTS``); above it mean-field with ``optim.cvi()`` and damping 1;
-    a family, an optimizer or a damping the caller gives is kept. Checked at the threshold, by ``init``."""
-    from numpyro_dppvi.pvi.defaults import LOCAL_OPTIMIZER, PVI_FULL_RANK_DEFAULTS
-
-    def chosen(dim, **extra):
-        d = dppvi.DPPVI(linear, method="pvi", rounds=2, local_steps=2, **extra)
-        d.init(jax.random.key(0), split(*regression(60, dim)))
-        return d
-
-    for dim, full in ((3, True), (NEWTON_MAX_DIM, True), (NEWTON_MAX_DIM + 1, False)):
-        d = chosen(dim)
-        assert d.settings()["family"] == ("full_rank" if full else "mean_field")
-        assert isinstance(d.optimizer, Newton) == full and (full or d.optimizer is LOCAL_OPTIMIZER)
-        assert d.damping == (PVI_FULL_RANK_DEFAULTS["damping"] if full else 1.0) == d.settings()["damping"]
-    assert (chosen(3, family="mean_field").family, chosen(3, family="mean_field").damping) == ("mean_field", 1.0)
-    assert chosen(3, damping=0.8).damping == 0.8 and chosen(3, damping=0.8).family == "full_rank"
-    assert chosen(3, optimizer=dppvi.optim.cvi()).family == "mean_field"
-    assert chosen(3, family="full_rank").damping == 1.0  # full-rank asked for: the method's damping, as before

@@ -121,7 +121,7 @@ def test_rank_one_gets_the_correlated_sds(schedule, sd_tolerance):
     q_sd = np.sqrt(np.diag(np.linalg.inv(np.asarray(precision, np.float64))))
     assert np.all(np.abs(q_sd / sd - 1.0) < sd_tolerance), q_sd / sd
     assert np.all(np.abs(np.asarray(loc) - mean) / sd < 0.02), (np.asarray(loc) - mean) / sd
-    mean_field = dppvi.fit_dppvi(linear, clients, rounds=20, rng_key=jax.random.key(1), family="mean_field")
+    mean_field = dppvi.fit_dppvi(linear, clients, rounds=20, rng_key=jax.random.key(1))
     assert np.all(mean_field.posterior["w"]["scale"] < 0.6 * sd)  # the gap rank one closes
 
 

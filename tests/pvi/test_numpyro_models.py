@@ -107,13 +107,10 @@ DEFAULTS_TESTED = ("ar1", "negative_binomial", "zero_inflated_poisson", "noncent
                                   for n in DEFAULTS_TESTED])
 def test_fit_dppvi_defaults_reach_autonormal(name):
     """``fit_dppvi(model, clients)`` with nothing else set (``METHOD_DEFAULTS["pvi"]``: sequential, 20
-    local steps on antithetic draws, tail-averaged, rounds until converged; every model here has at most 32
-    latents, so full-rank factors with Newton steps at damping 0.5, ``PVI_FULL_RANK_DEFAULTS``) meets the
+    steps of ``optim.cvi()`` on antithetic draws, tail-averaged, rounds until converged) meets the
     criterion of the module docstring, reports converged, and no update fails.
 
-    Measured with the mean-field defaults of issue 21 (``optim.cvi()``; the full-rank defaults' gaps, one key:
-    ar1 0.03, negative_binomial 0.08, zero_inflated_poisson 0.12, noncentred 0.18, proportion_test 0.04,
-    linear_correlated 0.09; benchmarks/results/fidelity.json) (PVI gap, keys 0 / 1, NUTS sds of 2 x 1000 draws; AutoNormal's gap): logistic 0.05 / 0.05
+    Measured (PVI gap, keys 0 / 1, NUTS sds of 2 x 1000 draws; AutoNormal's gap): logistic 0.05 / 0.05
     (0.06), poisson 0.05 / 0.02 (0.10), hierarchical 0.08 / 0.15 (0.13), glmm_lkj 0.25 / 0.19 (0.20; 39-41
     rounds), mixture_dirichlet 0.09 / 0.07 (0.08), ar1 0.11 / 0.12 (0.13), hsgp 0.69 / 0.76 (0.64),
     linear_correlated 0.11 / 0.08 (exact posterior), negative_binomial 0.06 / 0.05 (0.14),
