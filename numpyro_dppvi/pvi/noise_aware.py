@@ -63,10 +63,12 @@ its releases alone).
 
 from __future__ import annotations
 
+import warnings
+
 import jax
 import jax.numpy as jnp
 
-from .. import factors
+from .. import diagnostics, factors
 from ..factors import Gaussian
 
 
@@ -441,10 +443,6 @@ def calibration(rule: str) -> dict:
 def warn_uncalibrated(caller: str, rule: str, dim: int) -> None:
     """The one warning (:class:`~numpyro_dppvi.diagnostics.CalibrationWarning`) of a fit whose :func:`calibration`
     is False: what went wrong, what it measured to, and what to do."""
-    import warnings
-
-    from .. import diagnostics
-
     left = "full" if rule == "diagonal" else "full and diagonal"
     warnings.warn(
         f"{caller}: the posterior's intervals are not calibrated (result.calibrated is False): the clients' curvature "
