@@ -147,7 +147,7 @@ def change(before: tuple, after: tuple) -> float:
 
 
 def convergence(trajectory: list, window: int = WINDOW, max_jitter: float | None = None,
-                moderated: bool = False) -> dict:
+                moderated: bool = False, from_start: bool = False) -> dict:
     """Convergence summary of the last ``2 * window + 1`` states ``(mu, log s)`` (fewer: fewer checks).
 
     Returns ``{"rounds_checked": rounds seen, "change": last max step, "jitter": the largest sd of a
@@ -157,6 +157,11 @@ def convergence(trajectory: list, window: int = WINDOW, max_jitter: float | None
     ``max_jitter``}``. ``max_jitter`` (non-private fits: :data:`MAX_JITTER_SD`; ``None`` for noisy
     fits, whose steps carry the privacy noise): a fit whose steps jitter more is not converged.
     ``moderated`` (private fits): the drift test's variances are :func:`moderated_variances`.
+    ``from_start``: the first state is the fit's starting ``q`` (the prior); with ``max_jitter`` the first step,
+    the approach from there, is left out of the jitter (its size is the distance from the prior, not jitter;
+    the drift test keeps it), and fewer than 3 steps after it are too few to call ``q`` converged (None).
+    Measured: a logistic regression's 3-round fit, whose means agree with a 20-round fit's to 0.023 sd, was read
+    as jumping 2 sd a round and advised more draws or a smaller learning rate.
     """
     out = {"rounds_checked": len(trajectory) - 1, "change": None, "jitter": None, "oscillating": False, "drifting": 0,
            "rate": None, "distance": None, "converged": None, "drifting_coordinates": []}
@@ -195,8 +200,15 @@ def convergence(trajectory: list, window: int = WINDOW, max_jitter: float | None
     out["rate"] = float(np.nanmax(np.where(drifting, rate, 0.0))) if drifting.any() and len(d) >= 2 * k else None
     undetermined = drifting.any() and len(d) < 2 * k and out["distance"] <= CONVERGED_SD
     out["converged"] = None if undetermined else bool(out["distance"] <= CONVERGED_SD)
-    if max_jitter is not None and out["jitter"] is not None and out["jitter"] > max_jitter:
-        out["oscillating"], out["converged"] = True, False
+    if max_jitter is not None:
+        judged = d[1:] if from_start else d  # the step out of the start is the approach, not jitter
+        if len(judged) < 3:  # too few steps past the start to vouch for q either way
+            out["jitter"] = None
+            out["converged"] = None if out["converged"] is True else out["converged"]
+        else:
+            out["jitter"] = float(np.max(judged[-k:].std(0, ddof=1)))
+            if out["jitter"] > max_jitter:
+                out["oscillating"], out["converged"] = True, False
     return out
 
 

@@ -78,7 +78,8 @@ class Result:
     def converged(self) -> bool | None:
         """Whether the fit reached its fixed point and can vouch for the posterior (``convergence["converged"]``,
         :func:`numpyro_dppvi.diagnostics.convergence`; False beside intervals the fit flags as not calibrated);
-        None for a result that records no convergence summary."""
+        None for a result that records no convergence summary, or whose fit ran too few rounds for a verdict (a
+        non-private fit of 3 rounds: its first step, out of the prior, is not judged)."""
         convergence = getattr(self, "convergence", None)
         return None if not convergence else convergence.get("converged")
 

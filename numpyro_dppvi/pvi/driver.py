@@ -805,8 +805,9 @@ class DPPVI:
         the updates that failed over the last ``2 * WINDOW`` rounds: a fit whose updates failed there is not
         converged, whatever q's steps say (a dropped update does not move q)."""
         private = self.plan is not None
+        from_start = len(trajectory) == len(history) + 1 and (not history or history[0].get("round") == 1)
         summary = diagnostics.convergence(list(trajectory), max_jitter=None if private else diagnostics.MAX_JITTER_SD,
-                                          moderated=private)
+                                          moderated=private, from_start=from_start)
         summary["drifting_sites"] = self.adapter.sites_of(summary.pop("drifting_coordinates"))
         recent = history[-2 * diagnostics.WINDOW:]
         summary["failed_updates"] = sum(len(entry.get("failed", [])) for entry in recent)
