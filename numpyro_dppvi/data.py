@@ -102,8 +102,16 @@ def validate_clients(clients, finite: bool = True) -> list[tuple[np.ndarray, ...
     a non-empty list (or tuple) of clients; every client is a tuple of arrays, all clients with
     the same number of arrays; the arrays of a client agree on their leading dimension; array
     ``j`` has the same trailing shape and dtype in every client; float arrays hold no NaN/inf;
-    no client is empty. ``finite=False`` leaves NaN/inf alone (a Flower node: see
-    :func:`numpyro_dppvi.flower.local_update.load_data`).
+    no client is empty.
+
+    Args:
+      clients: a list (or tuple) of clients, each a tuple of arrays with one row per individual, e.g.
+        ``[(x_1, y_1), (x_2, y_2)]``.
+      finite: check that float arrays hold no NaN/inf (default). ``False`` leaves NaN/inf alone (a Flower
+        node: see :func:`numpyro_dppvi.flower.local_update.load_data`).
+
+    Returns:
+      the clients as a list of tuples of NumPy arrays.
     """
     if isinstance(clients, (np.ndarray, np.generic)) or not isinstance(clients, (list, tuple)):
         raise TypeError(
@@ -357,8 +365,15 @@ def partition(
 def partition_by(arrays, groups) -> list[tuple[np.ndarray, ...]]:
     """One client per distinct value of ``groups`` (in sorted order of the values).
 
-    Rows keep their original order within a client. ``groups`` is a 1-D array with one value per
-    row (e.g. a hospital or brood id).
+    Rows keep their original order within a client.
+
+    Args:
+      arrays: tuple of arrays with a common leading axis over individuals, e.g. ``(x, y)``.
+      groups: a 1-D array with one value per row (e.g. a hospital or brood id), of one sortable type,
+        without NaN or inf.
+
+    Returns:
+      a list of tuples ``(a_1[rows_g], a_2[rows_g], ...)``, one per group.
     """
     arrays = _as_array_tuple(arrays, "arrays")
     n = arrays[0].shape[0]
@@ -384,9 +399,16 @@ def partition_by(arrays, groups) -> list[tuple[np.ndarray, ...]]:
 def pad_clients(clients, size: int | None = None) -> PaddedClients:
     """Stack clients to ``[M, n_max, ...]`` with zero padding, a mask and the sizes.
 
-    ``n_max`` is the largest client size, or ``size`` when given (fixing ``size`` keeps shapes
-    static across calls, so jitted code does not recompile). Clients are validated first
-    (:func:`validate_clients`).
+    Clients are validated first (:func:`validate_clients`).
+
+    Args:
+      clients: a list of clients, each a tuple of arrays such as ``(x_m, y_m)``.
+      size: ``n_max``, the padded number of rows, at least the largest client's; None (the default): the
+        largest client size. Fixing ``size`` keeps shapes static across calls, so jitted code does not
+        recompile.
+
+    Returns:
+      a :class:`~numpyro_dppvi.data.PaddedClients`.
     """
     clients = validate_clients(clients)
     sizes = np.array([c[0].shape[0] for c in clients], dtype=np.int32)

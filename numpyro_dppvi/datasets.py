@@ -193,6 +193,12 @@ def dataset_path(relpath: str, verify: bool = True) -> Path:
 
     Raises :class:`DatasetNotFoundError` naming the file, its original source and the folder to
     put it in when it is absent, and :class:`ChecksumError` when its hash is wrong.
+
+    Args:
+      relpath: the file's path in the data home, one of the package's known data files (e.g.
+        ``"heart/heart.csv"``, ``"mnist/train-images.idx3-ubyte.gz"``).
+      verify: check the file against its known SHA-256 (default; once per file version in a process), raising
+        :class:`ChecksumError` when it differs; False uses the file as it is (a copy you chose deliberately).
     """
     if relpath not in KNOWN_FILES:
         raise ValueError(
@@ -377,6 +383,11 @@ def load_heart(dtype=np.float32, verify: bool = True):
     ``Cholesterol_missing``, since its missingness is frequent (19% of rows) and may itself
     carry information, which a median alone would hide. No indicator is added for the single
     RestingBP row.
+
+    Args:
+      dtype: the float dtype of ``x`` and ``y``. Default float32.
+      verify: check the file against its known SHA-256 (default; once per file version in a process), raising
+        :class:`ChecksumError` when it differs; False uses the file as it is (a copy you chose deliberately).
     """
     import pandas as pd
 
@@ -431,6 +442,13 @@ def load_mnist(split: str = "train", binarize: bool = True, dtype=np.float32, ve
     Returns ``(x, y)``: ``x`` ``[N, 784]`` (rows of the 28x28 image), ``y`` ``[N]`` int32 digit
     labels; ``N`` = 60,000 for ``split="train"`` and 10,000 for ``"test"``. Pixels are scaled to
     ``[0, 1]`` (``v / 255``); with ``binarize`` they are thresholded, ``1[v / 255 > 0.5]``.
+
+    Args:
+      split: ``"train"`` (default) or ``"test"``.
+      binarize: threshold the pixels to 0/1 (default); False: grey levels in ``[0, 1]``.
+      dtype: the float dtype of ``x``. Default float32.
+      verify: check the file against its known SHA-256 (default; once per file version in a process), raising
+        :class:`ChecksumError` when it differs; False uses the file as it is (a copy you chose deliberately).
     """
     dtype = _check_float_dtype(dtype)
     prefix = {"train": "train", "test": "t10k"}.get(split)
@@ -451,6 +469,12 @@ class BagOfWords(NamedTuple):
 
     Document ``d``'s distinct terms are ``word_ids[doc_ptr[d]:doc_ptr[d+1]]`` with counts
     ``counts[doc_ptr[d]:doc_ptr[d+1]]``; ``vocabulary[w]`` is the word with id ``w``.
+
+    Attributes:
+      doc_ptr: ``[D + 1]`` int64: where each document's terms start in ``word_ids`` and ``counts``.
+      word_ids: ``[nnz]`` int32: the ids of each document's distinct terms.
+      counts: ``[nnz]`` int32: how often each of those terms occurs in its document.
+      vocabulary: the words, indexed by id.
     """
 
     doc_ptr: np.ndarray  # [D + 1] int64
@@ -506,6 +530,10 @@ def load_nyt(verify: bool = True) -> BagOfWords:
 
     Read from ``nyt.ldac.gz`` (LDA-C, word ids 0-based) and ``nyt.tokens`` (vocabulary, one word
     a line). Returns a :class:`BagOfWords`; ``.padded()`` gives ``[D, U]`` arrays for LDA.
+
+    Args:
+      verify: check the file against its known SHA-256 (default; once per file version in a process), raising
+        :class:`ChecksumError` when it differs; False uses the file as it is (a copy you chose deliberately).
     """
     doc_ptr, word_ids, counts = _read_ldac(dataset_path("nyt/nyt.ldac.gz", verify))
     tokens = dataset_path("nyt/nyt.tokens", verify).read_text(encoding="utf-8").split("\n")
@@ -530,6 +558,10 @@ def load_grouseticks(verify: bool = True):
 
     Columns: INDEX (chick), TICKS (count), BROOD (118), HEIGHT (altitude, m), YEAR (95-97),
     LOCATION (63), cHEIGHT (centred altitude). From ``<data home>/multilevel/grouseticks.csv``.
+
+    Args:
+      verify: check the file against its known SHA-256 (default; once per file version in a process), raising
+        :class:`ChecksumError` when it differs; False uses the file as it is (a copy you chose deliberately).
     """
     return _read_rdataset("multilevel/grouseticks.csv", verify)
 
@@ -539,5 +571,9 @@ def load_epil(verify: bool = True):
 
     Columns: y (count), trt, base, age, V4, subject, period, lbase, lage. From
     ``<data home>/multilevel/epil.csv``.
+
+    Args:
+      verify: check the file against its known SHA-256 (default; once per file version in a process), raising
+        :class:`ChecksumError` when it differs; False uses the file as it is (a copy you chose deliberately).
     """
     return _read_rdataset("multilevel/epil.csv", verify)

@@ -112,7 +112,15 @@ def user_stacklevel() -> int:
 def unconstrained_coordinates(q: factors.Gaussian) -> tuple[np.ndarray, np.ndarray]:
     """``(mu, log s)`` of ``q`` as float64 arrays: ``mu = -eta1 / (2 eta2)``, ``log s = -log(-2 eta2) / 2``;
     full-rank: ``mu = Lambda^{-1} eta1`` and the marginal ``log s = log diag(Lambda^{-1}) / 2`` (on the
-    host, in numpy: no device program per call; low-rank: its dense form)."""
+    host, in numpy: no device program per call; low-rank: its dense form).
+
+    Args:
+      q: a Gaussian in natural parameters (mean-field, full-rank or low-rank), e.g. a result's ``q``.
+
+    Returns:
+      ``(mu, log s)``, each of the shape of ``q.eta1``; NaN for a full-rank ``q`` whose precision cannot be
+      inverted.
+    """
     eta1 = np.asarray(q.eta1, np.float64)
     if factors.is_low_rank(q):
         low = q.eta2
@@ -154,14 +162,23 @@ def convergence(trajectory: list, window: int = WINDOW, max_jitter: float | None
     coordinate's steps over the window (Monte Carlo or privacy noise), "drifting": number of drifting
     coordinates, "rate": the slowest drifting rate, "distance": largest remaining distance (sd),
     "converged": bool, or None when fewer than 3 rounds were seen, "oscillating": jitter above
-    ``max_jitter``}``. ``max_jitter`` (non-private fits: :data:`MAX_JITTER_SD`; ``None`` for noisy
-    fits, whose steps carry the privacy noise): a fit whose steps jitter more is not converged.
-    ``moderated`` (private fits): the drift test's variances are :func:`moderated_variances`.
-    ``from_start``: the first state is the fit's starting ``q`` (the prior); with ``max_jitter`` the first step,
-    the approach from there, is left out of the jitter (its size is the distance from the prior, not jitter;
-    the drift test keeps it), and fewer than 3 steps after it are too few to call ``q`` converged (None).
-    Measured: a logistic regression's 3-round fit, whose means agree with a 20-round fit's to 0.023 sd, was read
-    as jumping 2 sd a round and advised more draws or a smaller learning rate.
+    ``max_jitter``}``, and ``"drifting_coordinates"``, the indices of the drifting coordinates.
+
+    Args:
+      trajectory: the states of ``q`` round by round, each ``(mu, log s)`` as
+        :func:`unconstrained_coordinates` gives them (the first may be the starting ``q``).
+      window: the number of recent steps the tests look at (fewer while the trajectory is short; the drift
+        rate compares the last two windows). Default :data:`WINDOW`.
+      max_jitter: the largest sd of a coordinate's steps (in posterior sds) a converged fit may show
+        (non-private fits: :data:`MAX_JITTER_SD`); a fit whose steps jitter more is not converged. None (the
+        default, for noisy fits, whose steps carry the privacy noise): no jitter test.
+      moderated: private fits: the drift test's variances are :func:`moderated_variances`. Default False.
+      from_start: the first state is the fit's starting ``q`` (the prior); with ``max_jitter`` the first step,
+        the approach from there, is left out of the jitter (its size is the distance from the prior, not
+        jitter; the drift test keeps it), and fewer than 3 steps after it are too few to call ``q`` converged
+        (None). Measured: a logistic regression's 3-round fit, whose means agree with a 20-round fit's to
+        0.023 sd, was read as jumping 2 sd a round and advised more draws or a smaller learning rate. Default
+        False.
     """
     out = {"rounds_checked": len(trajectory) - 1, "change": None, "jitter": None, "oscillating": False, "drifting": 0,
            "rate": None, "distance": None, "converged": None, "drifting_coordinates": []}

@@ -5,7 +5,7 @@ NumPyro model matching a supported pattern): exact local steps, each client rele
 noised expected sufficient statistics once per round, returning a ``VIPSResult``
 (:func:`numpyro_dppvi.vips.federated_fit.fit_federated_vips`). Every other method is (DP-)PVI
 (:func:`numpyro_dppvi.pvi.fit.fit_dppvi`). This module wires the two families together, so that
-neither ``pvi`` nor ``vips`` imports the other (DESIGN §2).
+neither ``pvi`` nor ``vips`` imports the other.
 """
 
 from __future__ import annotations

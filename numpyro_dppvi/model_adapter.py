@@ -1,4 +1,4 @@
-"""The NumPyro model adapter (DESIGN §3).
+"""The NumPyro model adapter.
 
 ``@dppvi.model`` marks an ordinary NumPyro model whose data are passed positionally as arrays with
 the individual on the leading axis. :class:`ModelAdapter` traces it once and classifies its sites:
@@ -37,8 +37,12 @@ def model(fn: Callable | None = None, *, privacy_plate: str | None = None):
     """Mark a NumPyro model for ``numpyro_dppvi``.
 
     Usable as ``@dppvi.model`` or ``@dppvi.model(privacy_plate="data")``. The model is returned
-    unchanged apart from the recorded plate name; without a name the privacy plate is the plate
-    whose size follows the number of rows passed in.
+    unchanged apart from the recorded plate name.
+
+    Args:
+      fn: the model function; left out, ``model(privacy_plate=...)`` returns the decorator.
+      privacy_plate: the name of the plate whose rows are the protected individuals. None (the default):
+        the plate whose size follows the number of rows passed in (an error when none or several do).
     """
 
     def mark(f):
@@ -182,13 +186,23 @@ def programs_persist() -> bool:
 class ModelAdapter:
     """Traces a ``@dppvi.model`` once on example data and exposes the pieces PVI needs.
 
-    Attributes: ``sites`` (global latent layout), ``dim`` (length of ``u``), ``plate`` (privacy
-    plate name), ``observed`` (observed site names), ``prior`` (natural parameters of the exact
-    Gaussian part of the prior; zero on coordinates of non-Gaussian priors), ``server_mask``
-    (coordinates on which the server-held prior factor ``t_0`` acts: those of non-Gaussian priors
-    and those of exact-Normal sites that are parents of non-Gaussian ones).
-
     Any number of rows ``>= 1`` traces the model (rows are repeated up to three: only shapes matter).
+
+    Args:
+      model_fn: the NumPyro model, taking the data arrays positionally (``@dppvi.model`` optional; it names
+        the privacy plate when the model has several plates that follow the number of rows).
+      example_data: a tuple of the model's data arrays, one row per leading index (one client's data, or
+        zeros of the same shapes and dtypes).
+
+    Attributes:
+      sites: the layout of the global latent sites on the flat unconstrained vector ``u``.
+      dim: the length of ``u``.
+      plate: the name of the privacy plate.
+      observed: the names of the observed sites.
+      prior: natural parameters of the exact Gaussian part of the prior; zero on coordinates of
+        non-Gaussian priors.
+      server_mask: the coordinates on which the server-held prior factor ``t_0`` acts: those of non-Gaussian
+        priors and those of exact-Normal sites that are parents of non-Gaussian ones.
     """
 
     def __init__(self, model_fn: Callable, example_data: Sequence):

@@ -101,11 +101,17 @@ def check_private_folder(folder: Path) -> None:
 
 
 def enable_compilation_cache(path: str | os.PathLike | None = None) -> Path:
-    """Turn on JAX's persistent compilation cache in ``path`` (default :func:`default_cache_dir`) for
-    every program, however quick to compile; returns the folder. Safe to call more than once.
+    """Turn on JAX's persistent compilation cache in ``path`` for every program, however quick to compile;
+    returns the folder. Safe to call more than once.
 
-    Raises ``PermissionError`` for a folder another user could write to (:func:`check_private_folder`), and
-    ``ValueError`` for an empty ``path`` (``Path("")`` is the working directory: the cache would fill it)."""
+    Raises ``PermissionError`` for a folder another user could write to
+    (:func:`~numpyro_dppvi.persistent_cache.check_private_folder`), and ``ValueError`` for an empty ``path``
+    (``Path("")`` is the working directory: the cache would fill it).
+
+    Args:
+      path: the cache folder, created (mode 0700) if missing. None (the default): ``$NUMPYRO_DPPVI_CACHE`` if
+        set, else ``~/.cache/numpyro_dppvi/jax`` (:func:`~numpyro_dppvi.persistent_cache.default_cache_dir`).
+    """
     if path is not None and not str(os.fspath(path)).strip():
         raise ValueError("enable_compilation_cache: the path is empty. Pass a folder, or None for the default "
                          f"({default_cache_dir()}, or ${CACHE_ENV} if set).")

@@ -43,7 +43,11 @@ def participations_per_round(result) -> np.ndarray:
     and charges every client every round (each may have been sampled). An asynchronous round lists its
     ``arrivals`` (a client may arrive more than once), and an arrival past a client's budget is not charged: each
     client's participations are its ledger releases over the releases of one participation (all releases over all
-    ``communications``), and the arrivals are charged in order up to them."""
+    ``communications``), and the arrivals are charged in order up to them.
+
+    Args:
+      result: a private fit's :class:`~numpyro_dppvi.DPPVIResult` (its history and ledger).
+    """
     ledger = result.privacy
     m = ledger.num_clients
     if not result.history:
@@ -70,7 +74,12 @@ def epsilon_per_round(result) -> np.ndarray:
     A client's ``K`` participations charge its merged events equally (each participation is the plan's event),
     so after ``k`` of them its events are the ledger's with every count scaled by ``k / K``; the last row equals
     :attr:`~numpyro_dppvi.privacy.PrivacyLedger.epsilon_per_client`. Raises when the counts do not split evenly
-    (a ledger not written by one fit's rounds)."""
+    (a ledger not written by one fit's rounds).
+
+    Args:
+      result: a private fit's :class:`~numpyro_dppvi.DPPVIResult` (its history and ledger); a non-private one
+        raises.
+    """
     ledger = result.privacy
     if not ledger:
         raise ValueError("the result has no privacy ledger (a non-private fit): there is no epsilon to plot")
@@ -110,8 +119,17 @@ def _clients_label(group: list[int]) -> str:
 
 def plot_epsilon(result, ax=None, clients: Sequence[int] | None = None):
     """Each client's epsilon against the rounds (:func:`epsilon_per_round`), with the budget the fit was
-    calibrated to (``config["privacy"]["epsilon"]``) as a dashed line. ``clients``: which to draw (default all);
-    clients whose curves coincide share one line and one legend entry ("clients 0-4")."""
+    calibrated to (``config["privacy"]["epsilon"]``) as a dashed line.
+
+    Args:
+      result: a private fit's :class:`~numpyro_dppvi.DPPVIResult`.
+      ax: the matplotlib axes to draw on; None (the default): a new figure's axes.
+      clients: the indices of the clients to draw (default all); clients whose curves coincide share one line
+        and one legend entry ("clients 0-4").
+
+    Returns:
+      the axes.
+    """
     ax = _axes(ax)
     eps = epsilon_per_round(result)
     rounds = np.arange(1, eps.shape[0] + 1)
@@ -132,7 +150,16 @@ def plot_epsilon(result, ax=None, clients: Sequence[int] | None = None):
 
 def plot_convergence(results, ax=None, labels: Sequence[str] | None = None):
     """The history's ``change`` per round (the largest step of any coordinate of ``q``, in posterior sds; log
-    scale) of one result or several, side by side."""
+    scale) of one result or several, side by side.
+
+    Args:
+      results: a result, or a list or tuple of results, whose history records ``change`` (DP-PVI fits).
+      ax: the matplotlib axes to draw on; None (the default): a new figure's axes.
+      labels: one legend label per result. Default None: no legend.
+
+    Returns:
+      the axes.
+    """
     ax = _axes(ax)
     results = list(results) if isinstance(results, (list, tuple)) else [results]
     for i, result in enumerate(results):
@@ -151,7 +178,17 @@ def plot_convergence(results, ax=None, labels: Sequence[str] | None = None):
 
 def plot_privacy_utility(results, metric: str = "accuracy", ax=None, label: str | None = None):
     """A metric of each fit's last round (``history[-1][metric]``, e.g. ``accuracy`` or ``log_lik`` of fits run
-    with ``eval_data``) against its ledger's epsilon, over fits at several budgets: the privacy/utility curve."""
+    with ``eval_data``) against its ledger's epsilon, over fits at several budgets: the privacy/utility curve.
+
+    Args:
+      results: the private fits' results (an iterable), each with ``metric`` in its last history entry.
+      metric: the history key to plot. Default ``"accuracy"``.
+      ax: the matplotlib axes to draw on; None (the default): a new figure's axes.
+      label: the curve's legend label. Default None: no legend.
+
+    Returns:
+      the axes.
+    """
     ax = _axes(ax)
     points = []
     for i, result in enumerate(results):
@@ -183,7 +220,15 @@ def interval_coverage(results, truths: Sequence[Mapping], levels: Sequence[float
     ``truths[i]`` maps site names of ``results[i]`` to the values the data set was simulated from (every
     coordinate of those sites is counted). A calibrated posterior covers about ``a`` at every level; the
     coordinates of one fit are not independent, so the se is taken across the fits (as in
-    ``benchmarks/coverage.py``). Works for any result with ``sample`` (DP-PVI, VIPS, VFL)."""
+    ``benchmarks/coverage.py``). Works for any result with ``sample`` (DP-PVI, VIPS, VFL).
+
+    Args:
+      results: the fits, one per simulated data set.
+      truths: one mapping per result, from site names to the true values.
+      levels: the credible levels, each strictly between 0 and 1. Default :data:`LEVELS`.
+      num_samples: the draws of each posterior the quantiles are taken from.
+      rng_key: a ``jax.random`` key, folded in per result; None (the default): fresh draws each call.
+    """
     results, truths = list(results), list(truths)
     if len(results) != len(truths) or not results:
         raise ValueError(f"give one truth per result ({len(results)} results, {len(truths)} truths), at least one")
@@ -213,7 +258,20 @@ def plot_calibration(results, truths: Sequence[Mapping], levels: Sequence[float]
                      label: str | None = None, num_samples: int = 2000, rng_key=None):
     """The empirical coverage of :func:`interval_coverage` against the nominal level, with two standard errors as
     error bars and the diagonal a calibrated posterior follows (below it: over-confident intervals, as a private
-    fit whose ``q`` leaves out the DP noise; above it: too wide)."""
+    fit whose ``q`` leaves out the DP noise; above it: too wide).
+
+    Args:
+      results: the fits, one per simulated data set (as :func:`interval_coverage`).
+      truths: one mapping per result, from site names to the true values.
+      levels: the credible levels. Default :data:`LEVELS`.
+      ax: the matplotlib axes to draw on; None (the default): a new figure's axes.
+      label: the curve's legend label. Default None: no legend.
+      num_samples: the draws of each posterior the quantiles are taken from.
+      rng_key: a ``jax.random`` key; None (the default): fresh draws each call.
+
+    Returns:
+      the axes.
+    """
     ax = _axes(ax)
     coverage, se = interval_coverage(results, truths, levels, num_samples, rng_key)
     ax.plot([0, 1], [0, 1], linestyle="--", color="grey")
@@ -231,7 +289,18 @@ def plot_calibration_check(report, ax=None, sites: Sequence[str] | None = None,
                            levels: Sequence[float] = LEVELS):
     """The coverage a :class:`~numpyro_dppvi.simulation_calibration.CalibrationReport` found, against the nominal
     level: pooled over every site (with two Monte Carlo standard errors) and, for each of ``sites``, per site; the
-    diagonal is what a calibrated posterior follows (below it: intervals too narrow)."""
+    diagonal is what a calibrated posterior follows (below it: intervals too narrow).
+
+    Args:
+      report: the :class:`~numpyro_dppvi.CalibrationReport` of :func:`~numpyro_dppvi.calibration_check`.
+      ax: the matplotlib axes to draw on; None (the default): a new figure's axes.
+      sites: the site names drawn one by one beside the pooled coverage. Default None: the pooled coverage
+        only.
+      levels: the credible levels. Default :data:`LEVELS`.
+
+    Returns:
+      the axes.
+    """
     ax = _axes(ax)
     levels = np.asarray(levels, np.float64)
     ax.plot([0, 1], [0, 1], linestyle="--", color="grey")

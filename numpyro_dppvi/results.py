@@ -192,8 +192,20 @@ class Result:
 
 def load(path, model=None, hmac_key: bytes | None = None, **options) -> Result:
     """Load any saved result: the class (``DPPVIResult``, ``VIPSResult``, ``VFLResult``) is chosen
-    from the file. ``model``: the NumPyro model of the fit (code is never stored; for VFL the
-    ``(clients, likelihood)`` pair, see ``VFLResult.load``)."""
+    from the file.
+
+    Args:
+      path: the ``.npz`` file written by ``result.save(path)``. A private checkpoint is refused (resume it
+        with ``fit_dppvi(..., resume=path)``).
+      model: the NumPyro model of the fit (code is never stored); for VFL the ``(clients, likelihood)``
+        pair (see ``VFLResult.load``); for VIPS the ``ConjugateModel`` may be left out (a package model is
+        rebuilt from the file).
+      hmac_key: the bytes the file was saved with (``result.save(path, hmac_key=...)``); required for a file
+        saved with a key, refused for one saved without. Default None.
+
+    Returns:
+      the saved result, of the class the file names.
+    """
     arrays, meta = checkpoint.load(path, hmac_key=hmac_key)
     if meta.get("private"):
         raise ValueError(f"{path} is a private checkpoint (it holds the fit's secret key and client states); "
@@ -208,17 +220,30 @@ def load(path, model=None, hmac_key: bytes | None = None, **options) -> Result:
 class DPPVIResult(Result):
     """What ``fit_dppvi`` / ``fit_global_vi`` / ``fit_bcm`` return.
 
-    Attributes: ``q`` (the posterior, natural parameters: for a noise-aware private fit, ``config["noise_aware"]``,
-    the fitted ``q`` widened by the uncertainty the privacy noise leaves in it, :mod:`numpyro_dppvi.pvi.noise_aware`),
-    ``q_fitted`` (``q`` as fitted, before that step; ``q`` itself otherwise), ``history`` (one dict per round: round,
-    communications, participation, seconds, held-out metrics, counts of invalid or failed updates),
-    ``privacy`` (the :class:`~numpyro_dppvi.privacy.PrivacyLedger`, or
-    :class:`~numpyro_dppvi.privacy.NotPrivate`), ``method``, ``schedule``, ``config`` (the
-    data-independent settings), ``rounds`` (rounds completed), ``convergence`` (how far ``q`` was
-    from its fixed point when the fit stopped, :func:`numpyro_dppvi.diagnostics.convergence`; the
-    history's ``change`` is the largest move of one round in posterior-sd units), ``calibration`` (private fits:
-    ``{"calibrated": None or False, "precision_rule": ...}``; a check's verdict once annotated, :attr:`calibrated`) and, for
-    a fit just run, ``updates`` (per client: rounds taken part, valid updates; not saved).
+    The fit functions build it; the constructor's arguments are its attributes of the same names.
+
+    Attributes:
+      adapter: the :class:`~numpyro_dppvi.ModelAdapter` of the fitted model (its sites, shapes and
+        transforms; no data rows).
+      q: the posterior, a Gaussian in natural parameters on the flat unconstrained vector. For a noise-aware
+        private fit (``config["noise_aware"]``) the fitted ``q`` widened by the uncertainty the privacy noise
+        leaves in it (:mod:`numpyro_dppvi.pvi.noise_aware`).
+      history: one dict per round: round, communications, participation, seconds, held-out metrics, counts of
+        invalid or failed updates, and ``change``, the largest move of ``q`` in the round in posterior-sd units.
+      method: the fit's method (``"pvi"``, ``"dp_optimisation"``, ..., ``"global_vi"``, ``"bcm_same"``, ...).
+      schedule: the server schedule (``"sequential"``, ``"synchronous"``, ``"asynchronous"``), or None
+        (global VI, BCM).
+      privacy: the :class:`~numpyro_dppvi.privacy.PrivacyLedger` of a private fit; None (the default) is stored
+        as :class:`~numpyro_dppvi.privacy.NotPrivate`.
+      config: the data-independent settings of the fit (JSON; ``{}`` when None).
+      rounds: rounds completed. Default 0.
+      convergence: how far ``q`` was from its fixed point when the fit stopped
+        (:func:`numpyro_dppvi.diagnostics.convergence`), or None.
+      q_fitted: ``q`` as fitted, before the noise-aware step; None (the default) makes it ``q`` itself.
+      calibration: private ``fit_dppvi`` and ``fit_global_vi`` fits: ``{"calibrated": None or False,
+        "precision_rule": ...}``; a check's verdict once annotated (:attr:`calibrated`). None otherwise.
+      updates: for a fit just run, per client the rounds it took part in and its valid updates (``{"taken_part":
+        [...], "valid": [...]}``; None under client-level DP, and not saved).
     """
 
     kind = "DPPVIResult"

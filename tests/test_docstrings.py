@@ -1,4 +1,5 @@
-"""Docstrings of the public API (issue 26): every public name has one, and their examples run.
+"""Docstrings of the public API (issue 26): every public name has one, and their examples run; the
+user-facing API also describes every parameter and keeps internals off its pages (issue 60).
 
 The API reference (``make docs``, docs/api/) is built from these docstrings, so a public name without
 one is a hole in the reference. Public modules: every module of the package with no underscore in
@@ -7,6 +8,16 @@ classes defined in it (not imported) whose names do not start with an underscore
 (strings, tuples, dicts) cannot carry a docstring of their own and are not checked; functions,
 classes (their own docstring, not an inherited or a dataclass's generated ``Name(field, ...)``),
 decorated callables and modules are.
+
+Parameter lists: the user-facing API, the callables a program calls, has one entry per parameter
+(Google style as napoleon reads it: ``Args:`` of a function or a constructor, ``Attributes:`` of a
+dataclass or named tuple, ``Other Parameters:`` for the keyword options a function forwards). Its
+scope is every callable in the ``__all__`` of ``numpyro_dppvi``, ``numpyro_dppvi.privacy``,
+``numpyro_dppvi.vips``, ``numpyro_dppvi.vfl`` and ``numpyro_dppvi.datasets``, every function of
+``numpyro_dppvi.plots``, and the functions and warnings of ``numpyro_dppvi.diagnostics`` a user
+calls or filters. The pages of the internal modules (``numpyro_dppvi.pvi.plan``, ...) document
+internals for whoever works on them and are not checked. The same scope's pages (and the public
+methods of its classes) name no private function and no internal design document.
 """
 
 from __future__ import annotations
@@ -16,6 +27,7 @@ import doctest
 import importlib
 import inspect
 import pkgutil
+import re
 import types
 
 import pytest
@@ -144,3 +156,168 @@ def test_docstring_examples_run(module_name):
     failed, attempted = runner.summarize(verbose=False)
     assert attempted > 0
     assert failed == 0, f"{failed} of {attempted} examples in {module_name} failed (doctest report above)"
+
+
+# ------------------------------------------------------------------------ parameter lists (issue 60)
+
+#: The modules whose ``__all__`` is the user-facing API, and the modules without one whose own
+#: public names a user calls (None: all of them).
+USER_FACING = {"numpyro_dppvi": None, "numpyro_dppvi.privacy": None, "numpyro_dppvi.vips": None,
+               "numpyro_dppvi.vfl": None, "numpyro_dppvi.datasets": None, "numpyro_dppvi.plots": None,
+               "numpyro_dppvi.diagnostics": ("convergence", "unconstrained_coordinates", "NoiseWarning",
+                                             "ConvergenceWarning", "ClientUpdateWarning",
+                                             "PosteriorRuleWarning", "CalibrationWarning")}
+
+#: The sections whose entries describe parameters (napoleon's Google-style names).
+PARAMETER_SECTIONS = ("Args", "Arguments", "Parameters", "Attributes", "Other Parameters", "Keyword Args",
+                      "Keyword Arguments")
+
+_HEADER = re.compile(rf"^(\s*)({'|'.join(PARAMETER_SECTIONS)}):\s*$")
+_ENTRY = re.compile(r"^\*{0,2}(\w+)\s*(\([^)]*\))?:(\s|$)")
+
+
+def user_facing_callables(module_name: str) -> list[tuple[str, object]]:
+    """``(public name, callable)`` of the user-facing API in ``module_name`` (each object once, under
+    the first name met): functions and classes, not modules or constants."""
+    module = importlib.import_module(module_name)
+    chosen = USER_FACING[module_name]
+    names = public_names(module) if chosen is None else list(chosen)
+    out = []
+    for name in names:
+        obj = getattr(module, name)
+        if callable(obj) and not inspect.ismodule(obj):
+            out.append((f"{module_name}.{name}", obj))
+    return out
+
+
+def parameter_docstring(obj) -> str:
+    """What documents the parameters of ``obj``: its docstring, and for a class its own ``__init__``'s too."""
+    doc = inspect.getdoc(obj) or ""
+    if inspect.isclass(obj) and "__init__" in obj.__dict__:
+        doc += "\n" + (inspect.getdoc(obj.__dict__["__init__"]) or "")
+    return doc
+
+
+def described_parameters(doc: str) -> set[str]:
+    """Names with an entry (``name: ...``, ``name (type): ...``, ``**name: ...``) in a parameter section
+    of ``doc``: the lines one indentation step under an ``Args:``/``Attributes:``/... header."""
+    names, lines, i = set(), doc.splitlines(), 0
+    while i < len(lines):
+        header = _HEADER.match(lines[i])
+        i += 1
+        if not header:
+            continue
+        outer, entry_indent = len(header.group(1)), None
+        while i < len(lines):
+            line = lines[i]
+            indent = len(line) - len(line.lstrip())
+            if line.strip() and indent <= outer:
+                break
+            if line.strip():
+                entry_indent = indent if entry_indent is None else entry_indent
+                match = _ENTRY.match(line.strip()) if indent == entry_indent else None
+                if match:
+                    names.add(match.group(1))
+            i += 1
+    return names
+
+
+def parameters_of(obj) -> list[str]:
+    """The named parameters of a callable (for a class, its constructor's), without ``*args``/``**kwargs``."""
+    try:
+        signature = inspect.signature(obj)
+    except (TypeError, ValueError):  # builtins without a signature (an exception's inherited __init__)
+        return []
+    return [p.name for p in signature.parameters.values()
+            if p.kind not in (p.VAR_POSITIONAL, p.VAR_KEYWORD) and p.name not in ("self", "cls")]
+
+
+def undescribed(module_name: str) -> dict[str, list[str]]:
+    """Per callable of the user-facing API in ``module_name``: its parameters without an entry."""
+    missing = {}
+    for name, obj in user_facing_callables(module_name):
+        if inspect.isclass(obj) and issubclass(obj, BaseException) and "__init__" not in obj.__dict__:
+            continue  # an exception or warning taking the message only (inherited constructor)
+        described = described_parameters(parameter_docstring(obj))
+        lacking = [p for p in parameters_of(obj) if p not in described]
+        if lacking:
+            missing[name] = lacking
+    return missing
+
+
+@pytest.mark.parametrize("module_name", sorted(USER_FACING))
+def test_every_parameter_of_the_user_facing_api_is_described(module_name):
+    missing = undescribed(module_name)
+    report = "; ".join(f"{name}: {', '.join(params)}" for name, params in missing.items())
+    assert not missing, f"parameters without an entry in their docstring's Args/Attributes: {report}"
+
+
+def test_the_parameter_check_reads_the_sections():
+    """The check itself: entries of ``Args:`` and ``Attributes:`` count, with or without a type, nested
+    lines and prose mentioning a name do not."""
+    doc = inspect.cleandoc("""Summary, naming x: in prose.
+
+        Args:
+            a: first.
+                b: a continuation line, not an entry.
+            c (int): typed.
+            **d: forwarded.
+
+        Attributes:
+          e: a field.
+
+        Returns:
+            f: not a parameter section.
+        """)
+    assert described_parameters(doc) == {"a", "c", "d", "e"}
+
+    def f(a, b, *args, c=1, **kwargs):
+        """Summary.
+
+        Args:
+            a: one.
+            c: two.
+        """
+
+    assert parameters_of(f) == ["a", "b", "c"]
+    assert [p for p in parameters_of(f) if p not in described_parameters(parameter_docstring(f))] == ["b"]
+
+
+#: References a public page must not hold: an internal design document, a private function or
+#: method (``_name(``, or a cross-reference role to a name whose last part starts with ``_``).
+_INTERNAL = (re.compile(r"DESIGN(\.md)?\s*§"),
+             re.compile(r"(?<!\w)_[A-Za-z]\w*\("),
+             re.compile(r":\w+:`~?(?:[\w.]*\.)?_[A-Za-z]\w*`"))
+
+
+def public_page_docstrings(module_name: str) -> list[tuple[str, str]]:
+    """``(name, docstring)`` of ``module_name`` itself, of each of its user-facing callables and of the
+    public methods and properties of their classes (what their reference page shows)."""
+    out = [(module_name, inspect.getdoc(importlib.import_module(module_name)) or "")]
+    for name, obj in user_facing_callables(module_name):
+        out.append((name, parameter_docstring(obj)))
+        if not inspect.isclass(obj):
+            continue
+        for member, value in vars(obj).items():
+            if member.startswith("_"):
+                continue
+            value = value.__func__ if isinstance(value, (classmethod, staticmethod)) else value
+            if inspect.isroutine(value) or isinstance(value, property):
+                out.append((f"{name}.{member}", inspect.getdoc(value) or ""))
+    return out
+
+
+@pytest.mark.parametrize("module_name", sorted(USER_FACING))
+def test_no_private_name_on_a_public_page(module_name):
+    found = [f"{name}: {match.group(0)!r}" for name, doc in public_page_docstrings(module_name)
+             for pattern in _INTERNAL for match in pattern.finditer(doc)]
+    assert not found, f"internal references on the public page of {module_name}: {found}"
+
+
+def test_the_internal_reference_check_catches_them():
+    leaks = ["see DESIGN §5.3", "set by _resolve_virtual_defaults() later", "(:meth:`_resolve_virtual_defaults`)",
+             ":func:`~numpyro_dppvi.pvi.plan._scale`"]
+    fine = ["docs/guide.md §4", "``__init__(...)``", ":func:`~numpyro_dppvi.pvi.defaults.virtual_clip`",
+            "``x_i`` and ``y_j``"]
+    assert all(any(p.search(text) for p in _INTERNAL) for text in leaks)
+    assert not any(p.search(text) for p in _INTERNAL for text in fine)

@@ -85,7 +85,15 @@ class AdaptiveClip:
 
 
 class AdaptiveClipState(NamedTuple):
-    """Pytree state of adaptive clipping (all float32 scalars, vmappable over clients)."""
+    """Pytree state of adaptive clipping (all float32 scalars, vmappable over clients).
+
+    Attributes:
+      clip: the current clip norm ``C_t``.
+      target_quantile: ``gamma``, the quantile of per-example norms tracked.
+      learning_rate: ``eta`` of the geometric update (already scaled when ``noise_scaled_rate``).
+      count_noise_std: ``s_b``, the std of the noise added to the centred count.
+      expected_batch_size: ``m``, the expected batch size the noisy count is divided by (public).
+    """
 
     clip: jax.Array
     target_quantile: jax.Array
@@ -95,12 +103,24 @@ class AdaptiveClipState(NamedTuple):
 
 
 def count_sensitivity(neighbouring: str) -> float:
-    """Sensitivity of the centred count: 1/2 (add/remove) or 1 (substitute)."""
+    """Sensitivity of the centred count: 1/2 (add/remove) or 1 (substitute).
+
+    Args:
+      neighbouring: ``"add_remove"`` or ``"substitute"``.
+    """
     return 0.5 if check_neighbouring(neighbouring) == "add_remove" else 1.0
 
 
 def split_noise_multiplier(total: float, count_budget_fraction: float) -> tuple[float, float]:
-    """``(z_g, z_b) = (z / sqrt(1 - f), z / sqrt(f))`` so that ``z_g^-2 + z_b^-2 = z^-2``."""
+    """``(z_g, z_b) = (z / sqrt(1 - f), z / sqrt(f))`` so that ``z_g^-2 + z_b^-2 = z^-2``.
+
+    Args:
+      total: ``z > 0``, the noise multiplier of the joint release, as calibrated for the plain run.
+      count_budget_fraction: ``f`` in (0, 1), the share of ``z^-2`` spent on the count query.
+
+    Returns:
+      ``(z_g, z_b)``: the noise multipliers of the gradient sum and of the count.
+    """
     if not total > 0:
         raise ValueError(f"total noise multiplier must be > 0, got {total}.")
     if not 0 < count_budget_fraction < 1:
@@ -110,7 +130,12 @@ def split_noise_multiplier(total: float, count_budget_fraction: float) -> tuple[
 
 def joint_noise_multiplier(gradient_noise_multiplier: float,
                            count_noise_multiplier: float) -> float:
-    """Noise multiplier of the joint (gradient sum, count) release: ``(z_g^-2 + z_b^-2)^-1/2``."""
+    """Noise multiplier of the joint (gradient sum, count) release: ``(z_g^-2 + z_b^-2)^-1/2``.
+
+    Args:
+      gradient_noise_multiplier: ``z_g``, the gradient sum's noise std over its sensitivity.
+      count_noise_multiplier: ``z_b``, the count's noise std over its sensitivity.
+    """
     return (gradient_noise_multiplier**-2 + count_noise_multiplier**-2) ** -0.5
 
 
@@ -123,8 +148,22 @@ def adaptive_clip_events(
     overflow_probability: float = 0.0,
     dimension: int = 2,
 ) -> list[GaussianEvent]:
-    """The events of ``count`` DP-SGD steps with adaptive clipping (one joint event per step;
-    ``dimension`` counts the gradient's noise coordinates plus the count's one)."""
+    """The events of ``count`` DP-SGD steps with adaptive clipping: one joint event of noise multiplier
+    ``(z_g^-2 + z_b^-2)^-1/2`` (:func:`joint_noise_multiplier`).
+
+    Args:
+      gradient_noise_multiplier: ``z_g`` of the gradient sum.
+      count_noise_multiplier: ``z_b`` of the centred count.
+      sampling: the batches' sampling scheme, as :class:`~numpyro_dppvi.privacy.GaussianEvent`'s
+        (``"poisson"``, ``"without_replacement"`` or ``"none"``).
+      rate: the sampling rate in (0, 1].
+      count: the number of steps. Default 1.
+      overflow_probability: the per-step probability that a padded Poisson batch overflowed. Default 0.
+      dimension: the noise coordinates of one step: the gradient's plus the count's one. Default 2.
+
+    Returns:
+      a list with the one :class:`~numpyro_dppvi.privacy.GaussianEvent`.
+    """
     return [
         GaussianEvent(
             joint_noise_multiplier(gradient_noise_multiplier, count_noise_multiplier),
@@ -145,10 +184,18 @@ def adaptive_clip_init(
     learning_rate: float = 0.2,
     noise_scaled_rate: bool = False,
 ) -> AdaptiveClipState:
-    """Initial state. ``count_noise_std = z_b * count_sensitivity(relation)``; the expected batch
-    size is ``q n`` (Poisson) or the fixed batch size (without replacement). ``noise_scaled_rate``: the
-    learning rate times ``min(1, FRACTION_NOISE / s_b)``, ``s_b = count_noise_std / expected_batch_size``
-    (:class:`AdaptiveClip`)."""
+    """Initial state of adaptive clipping.
+
+    Args:
+      clip: the initial clip norm ``C_0 > 0``.
+      expected_batch_size: ``m``: ``q n`` (Poisson) or the fixed batch size (without replacement).
+      count_noise_std: ``s_b = z_b * count_sensitivity(relation)``, the std of the count's noise.
+      target_quantile: ``gamma`` in (0, 1). Default 0.5.
+      learning_rate: ``eta > 0`` of the geometric update. Default 0.2.
+      noise_scaled_rate: scale the learning rate by ``min(1, FRACTION_NOISE / s_b)``,
+        ``s_b = count_noise_std / expected_batch_size`` the std of the noisy fraction
+        (:class:`~numpyro_dppvi.privacy.AdaptiveClip`). Default False.
+    """
     if noise_scaled_rate:
         learning_rate = learning_rate * min(1.0, FRACTION_NOISE * expected_batch_size / count_noise_std)
     for name, value in (("clip", clip), ("expected_batch_size", expected_batch_size),
@@ -167,15 +214,31 @@ def adaptive_clip_init(
 
 def centred_count(norms, mask, clip) -> jax.Array:
     """``sum_{i: mask_i} (1[norms_i <= clip] - 1/2)``: the count query before noise; one record
-    moves it by at most 1/2 (added/removed) or 1 (replaced)."""
+    moves it by at most 1/2 (added/removed) or 1 (replaced).
+
+    Args:
+      norms: ``[B]`` per-example norms (unclipped).
+      mask: ``[B]`` bool: the rows of the batch (padding excluded).
+      clip: the current clip norm.
+    """
     below = (norms <= clip).astype(jnp.float32) - 0.5
     return jnp.sum(jnp.where(mask, below, 0.0))
 
 
 def adaptive_clip_update(state: AdaptiveClipState, norms, mask, key) -> AdaptiveClipState:
     """One private quantile step: noisy centred count of ``norms <= clip`` over the batch rows
-    (``mask``), then the geometric update of the clip. ``norms`` are the *unclipped*
-    per-example norms of the step's batch (as returned by ``clip_per_example``)."""
+    (``mask``), then the geometric update of the clip.
+
+    Args:
+      state: the :class:`AdaptiveClipState` before the step.
+      norms: ``[B]``, the *unclipped* per-example norms of the step's batch (as returned by
+        ``clip_per_example``).
+      mask: ``[B]`` bool: the rows of the batch.
+      key: the ``jax.random`` key of the count's noise.
+
+    Returns:
+      the :class:`AdaptiveClipState` with the updated clip.
+    """
     count = centred_count(norms, mask, state.clip)
     return adaptive_clip_step(state, add_gaussian_noise(key, count, state.count_noise_std))
 

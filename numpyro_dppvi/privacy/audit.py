@@ -39,7 +39,9 @@ class AuditResult:
     Attributes:
       epsilon_lower_bound: the lower bound on epsilon that holds with probability ``confidence``;
         above the ledger's epsilon it proves the mechanism less private than claimed.
-      false_positive_rate, false_negative_rate: the chosen test's error rates on the evaluation half.
+      false_positive_rate: the chosen test's rate of guessing ``dataset`` on runs of ``neighbour``, on the
+        evaluation half.
+      false_negative_rate: its rate of guessing ``neighbour`` on runs of ``dataset``, on the evaluation half.
       threshold: the statistic's threshold chosen on the selection half.
       runs_per_dataset: runs of the mechanism on each of the two data sets.
       delta: the delta of the audited claim.
@@ -56,7 +58,13 @@ class AuditResult:
 
 
 def clopper_pearson_upper(failures: int, trials: int, alpha: float) -> float:
-    """One-sided ``1 - alpha`` Clopper-Pearson upper bound on a binomial rate."""
+    """One-sided ``1 - alpha`` Clopper-Pearson upper bound on a binomial rate.
+
+    Args:
+      failures: the number of events counted, in ``[0, trials]``.
+      trials: the number of trials, at least 1.
+      alpha: the bound's error probability, in (0, 1).
+    """
     if trials < 1 or not 0 <= failures <= trials:
         raise ValueError(f"need 0 <= failures <= trials and trials >= 1, got {failures}/{trials}.")
     if failures == trials:
@@ -66,7 +74,17 @@ def clopper_pearson_upper(failures: int, trials: int, alpha: float) -> float:
 
 def epsilon_lower_bound(false_positives: int, negatives: int, false_negatives: int,
                         positives: int, delta: float, confidence: float = 0.95) -> float:
-    """Lower bound on epsilon (>= 0) from error counts, valid with probability ``confidence``."""
+    """Lower bound on epsilon (>= 0) from error counts, valid with probability ``confidence``.
+
+    Args:
+      false_positives: runs on the neighbour the test took for the data set.
+      negatives: the runs on the neighbour.
+      false_negatives: runs on the data set the test took for the neighbour.
+      positives: the runs on the data set.
+      delta: the delta of the audited claim, in [0, 1).
+      confidence: the probability with which the bound holds, in (0, 1); each rate's Clopper-Pearson bound
+        is taken at level ``(1 - confidence) / 2``. Default 0.95.
+    """
     if not 0 < confidence < 1:
         raise ValueError(f"confidence must lie in (0, 1), got {confidence}.")
     if not 0 <= delta < 1:
@@ -136,7 +154,8 @@ def audit(
     Args:
       mechanism: ``mechanism(key, data) -> array or pytree``, jit- and vmap-able (static shapes:
         pad and mask to express add/remove neighbours).
-      dataset, neighbour: the neighbouring pair, ideally worst case for the mechanism.
+      dataset: one data set of the neighbouring pair, ideally worst case for the mechanism.
+      neighbour: its neighbour (one record added, removed or replaced), of the same shapes.
       key: PRNG key; runs on ``dataset`` and ``neighbour`` use independent sub-keys.
       delta: the delta of the claim being audited.
       num_runs: runs per dataset (half choose the test, half evaluate it).
@@ -144,6 +163,7 @@ def audit(
         outputs of the two datasets divided by the per-coordinate variance, both estimated on
         the selection half (the likelihood-ratio test for Gaussian noise on a sum).
       confidence: probability with which the returned bound holds.
+      num_thresholds: the candidate thresholds of the test, quantiles of the selection half's statistics.
 
     Returns:
       :class:`AuditResult` with the lower bound and the evaluation-half error rates.

@@ -113,8 +113,14 @@ def epsilon(
 ) -> float:
     """Epsilon at ``delta`` of the composition of ``events`` (0.0 for no events).
 
-    ``pld_discretization`` (PLD only): coarser values are faster and remain upper bounds
-    (pessimistic rounding), slightly less tight; the ledger always uses the default.
+    Args:
+      events: the :class:`~numpyro_dppvi.privacy.GaussianEvent` s of one client (merged by mechanism first).
+      delta: the target delta in (0, 1).
+      neighbouring: the relation the events' noise multipliers refer to: ``"add_remove"`` or ``"substitute"``.
+      backend: the accountant: ``"pld"`` (dp_accounting PLD, default), ``"rdp"`` (dp_accounting RDP) or
+        ``"autodp"`` (autodp RDP).
+      pld_discretization: the PLD's discretisation interval (PLD only); coarser values are faster and remain
+        upper bounds (pessimistic rounding), slightly less tight; the ledger always uses the default.
 
     Results are memoised per (events, delta, relation, backend, grid) in the process (and across
     processes in a signed file once :func:`numpyro_dppvi.enable_compilation_cache` is on:

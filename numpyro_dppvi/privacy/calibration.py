@@ -60,7 +60,20 @@ def plan_charges(plan: Plan) -> float:
 def plan_epsilon(plan: Plan, noise_multiplier: float, delta: float, neighbouring: str,
                  backend: str = "pld", pld_discretization: float = backends.PLD_DISCRETIZATION
                  ) -> float:
-    """Epsilon of ``plan`` at ``noise_multiplier`` (max over clients if the plan has several)."""
+    """Epsilon of ``plan`` at ``noise_multiplier`` (max over clients if the plan has several).
+
+    Args:
+      plan: the planned releases, as :func:`calibrate_noise` takes them: a list of
+        :class:`~numpyro_dppvi.privacy.GaussianEvent` templates, or a callable ``sigma -> events`` (one client)
+        or ``sigma -> list of events per client``.
+      noise_multiplier: the noise multiplier ``sigma`` of the releases (std / sensitivity under
+        ``neighbouring``).
+      delta: the target delta in (0, 1).
+      neighbouring: ``"add_remove"`` or ``"substitute"``.
+      backend: the accountant: ``"pld"`` (default), ``"rdp"`` or ``"autodp"``.
+      pld_discretization: the PLD's discretisation interval (PLD only; coarser is faster and still an upper
+        bound).
+    """
     values = {}
     for events in _plan_function(plan)(noise_multiplier):
         key = tuple(sorted(e.mechanism + (e.count,) for e in events))
@@ -100,6 +113,8 @@ def calibrate_noise(
         (several clients: the budget must hold for each, i.e. for the max, by parallel
         composition). The noise multiplier is in event units: std / sensitivity of the released
         sum under ``neighbouring``.
+      neighbouring: ``"add_remove"`` (default) or ``"substitute"``.
+      backend: the accountant: ``"pld"`` (default), ``"rdp"`` or ``"autodp"``.
       rtol: relative width of the final bracket.
 
     Returns:

@@ -50,6 +50,11 @@ def sensitivity(clip: float, neighbouring: str, kind: str = "sum_of_records") ->
       perturbation / local averaging / virtual clients, DP-PVI paper eqs. A.18-A.19): changing one
       record of the shard may change the whole update, both old and new updates have norm
       ``<= C``, so ``Delta = 2C`` under either relation.
+
+    Args:
+      clip: the clip norm ``C > 0`` of each term.
+      neighbouring: ``"add_remove"`` or ``"substitute"``.
+      kind: ``"sum_of_records"`` (default) or ``"shard_update"``.
     """
     clip = _positive_finite("clip", clip)
     check_neighbouring(neighbouring)
@@ -148,7 +153,14 @@ class GaussianEvent:
 
 
 def merge_events(events) -> tuple[GaussianEvent, ...]:
-    """Merge events with the same mechanism by adding their counts (order of first appearance)."""
+    """Merge events with the same mechanism by adding their counts (order of first appearance).
+
+    Args:
+      events: an iterable of :class:`GaussianEvent` s.
+
+    Returns:
+      a tuple of :class:`GaussianEvent` s, one per distinct mechanism.
+    """
     counts: dict[tuple, int] = {}
     first: dict[tuple, GaussianEvent] = {}
     for event in events:

@@ -66,8 +66,11 @@ class PrivacyLedger:
       accountant: ``"pld"`` (dp_accounting PLD, default), ``"rdp"`` (dp_accounting RDP) or
         ``"autodp"`` (autodp RDP).
       trusted_aggregator: the events are those of aggregated releases (see module docstring).
-
-      seed: where the noise seed came from, one of :data:`SEED_KINDS` (reported).
+      seed: where the noise seed came from, one of :data:`SEED_KINDS` (reported): ``"os_entropy"``,
+        ``"user_key"`` or ``"unspecified"`` (the default).
+      sizes: what the client sizes behind the settings were, one of :data:`SIZE_KINDS` (reported):
+        ``"declared"`` public bounds, the ``"observed"`` sizes (disclosed under add/remove), ``"unused"``
+        by the mechanism, or ``"unspecified"`` (the default).
 
     Delta accounting: client ``m`` is ``(epsilon_m, delta + extra_m)``-DP where
     ``extra_m = (1 + e^{epsilon_m}) * (sum_t p_t + k_m * TAIL_MASS)`` charges the padded Poisson
@@ -341,7 +344,15 @@ class PrivacyLedger:
 
 
 class NotPrivate:
-    """The ``privacy`` of a fit that is not differentially private: says so instead of being ``None``."""
+    """The ``privacy`` of a fit that is not differentially private: says so instead of being ``None``.
+
+    Its ``epsilon`` is infinite, its ``delta`` 1, it is false in a boolean context, and ``report()`` says
+    that the fit is not private and why.
+
+    Args:
+      reason: why the fit is not private, completing the report's sentence. Default: no privacy was
+        requested (``privacy=None``).
+    """
 
     epsilon = math.inf
     delta = 1.0

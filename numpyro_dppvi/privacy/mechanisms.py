@@ -95,7 +95,11 @@ def _norms_and_factors(tree, clip):
 def per_example_norms(tree) -> jax.Array:
     """Joint L2 norm per example, ``||g_i|| = sqrt(sum_leaves sum_j g_{i,leaf,j}^2)``, for a
     pytree whose leaves share a leading example axis; ``inf`` for a row with a non-finite entry
-    (computed in float64, returned in the leaves' dtype)."""
+    (computed in float64, returned in the leaves' dtype).
+
+    Args:
+      tree: a pytree whose leaves share a leading example axis ``[B, ...]``.
+    """
     return _norms_and_factors(tree, 1.0)[0]
 
 
@@ -121,6 +125,10 @@ def clip_per_example(tree, clip):
     ``sum_i clip(g_i)`` moves by at most ``C`` when one record is added or removed and ``2C`` when
     one is replaced (``sensitivity(C, relation, "sum_of_records")``). Masked (padding) examples must
     be zeroed by the caller before summing.
+
+    Args:
+      tree: a pytree whose leaves share a leading example axis ``[B, ...]``.
+      clip: the clip norm ``C > 0`` (a number, or a traced scalar under adaptive clipping).
 
     Returns:
       ``(clipped_tree, norms)`` with ``norms`` the pre-clipping per-example norms ``[B]``
@@ -148,6 +156,11 @@ def clipped_sum(tree, clip, mask=None):
     Adding or removing one record therefore moves the sum by at most ``C`` and replacing one by
     at most ``2C`` (``sensitivity(C, relation, "sum_of_records")``).
 
+    Args:
+      tree: a pytree whose leaves share a leading example axis ``[B, ...]``.
+      clip: the clip norm ``C > 0``.
+      mask: ``[B]`` bool: the rows to sum (e.g. the real rows of a padded batch). Default None: every row.
+
     Returns:
       ``(summed_tree, norms)`` with ``norms`` the pre-clipping per-example norms ``[B]``
       (``inf`` for a non-finite row).
@@ -165,7 +178,11 @@ def clipped_sum(tree, clip, mask=None):
 
 
 def tree_norm(tree) -> jax.Array:
-    """L2 norm of a whole pytree, ``sqrt(sum_leaves ||leaf||_F^2)``."""
+    """L2 norm of a whole pytree, ``sqrt(sum_leaves ||leaf||_F^2)``.
+
+    Args:
+      tree: a pytree of arrays.
+    """
     leaves = jax.tree_util.tree_leaves(tree)
     return _safe_sqrt(sum(jnp.sum(leaf**2) for leaf in leaves))
 
@@ -177,6 +194,10 @@ def clip_update(tree, clip):
     Sensitivity: a clipped update has norm ``<= C`` whatever its input; the relation and the shard
     layout it is released under give the sensitivity of the released sum
     (``sensitivity(C, relation, kind)``; see :mod:`numpyro_dppvi.pvi.update_perturbation`).
+
+    Args:
+      tree: the update, a pytree of arrays (clipped as one vector).
+      clip: the clip norm ``C > 0``.
 
     Returns:
       ``(clipped_tree, norm)`` with the pre-clipping norm (``inf`` if non-finite).
@@ -202,6 +223,11 @@ def gaussian_noise_like(key, tree, std):
     A release should use :func:`add_gaussian_noise`, which adds the noise before rounding. Adding
     noise of std ``std`` to a sum with L2 sensitivity ``Delta`` is the Gaussian mechanism with
     noise multiplier ``std / Delta`` (the ``noise_multiplier`` of the event to record).
+
+    Args:
+      key: a ``jax.random`` key.
+      tree: a pytree of arrays giving the noise's shapes and dtypes.
+      std: the noise std, ``>= 0``.
     """
     _check_nonnegative("std", std)
     return noise.gaussian_like(key, tree, std)
@@ -219,6 +245,11 @@ def add_symmetric_noise(key, matrix, std):
     (add/remove: ``||x x^T||_F = ||x||^2 <= B^2``) or ``x x^T - y y^T`` (substitute:
     ``||.||_F^2 = ||x||^4 + ||y||^4 - 2 (x.y)^2 <= 2 B^4``, so ``<= sqrt(2) B^2``). The noise
     multiplier is ``std`` over that bound; each matrix has ``d (d + 1) / 2`` noise coordinates.
+
+    Args:
+      key: a ``jax.random`` key.
+      matrix: the symmetric statistic, ``[..., d, d]``.
+      std: the noise std of each upper-triangle entry, ``>= 0``.
     """
     matrix = jnp.asarray(matrix)
     if matrix.ndim < 2 or matrix.shape[-1] != matrix.shape[-2] or matrix.shape[-1] < 1:
@@ -245,6 +276,11 @@ def add_frobenius_symmetric_noise(key, matrix, std):
     coordinates are ``d (d + 1) / 2`` per matrix; ``phi``, the noise and the inverse are computed in float64
     and the result rounded once. ``matrix`` is ``[..., d, d]`` (leading axes: independent noise); only its
     upper triangle is read.
+
+    Args:
+      key: a ``jax.random`` key.
+      matrix: the symmetric matrix to release, ``[..., d, d]``.
+      std: the std of the mechanism on ``phi(A)``, ``>= 0``: the noise std of the diagonal.
     """
     matrix = jnp.asarray(matrix)
     if matrix.ndim < 2 or matrix.shape[-1] != matrix.shape[-2] or matrix.shape[-1] < 1:
@@ -265,7 +301,14 @@ def add_frobenius_symmetric_noise(key, matrix, std):
 
 def symmetric_gaussian_noise(key, dim: int, std, dtype=jnp.float32):
     """Symmetric ``dim x dim`` noise alone (upper triangle iid ``N(0, std^2)``, mirrored); a
-    release should use :func:`add_symmetric_noise`."""
+    release should use :func:`add_symmetric_noise`.
+
+    Args:
+      key: a ``jax.random`` key.
+      dim: ``d``, a positive int.
+      std: the noise std, ``>= 0``.
+      dtype: the result's dtype. Default float32.
+    """
     if not isinstance(dim, int) or isinstance(dim, bool) or dim < 1:
         raise ValueError(f"dim must be a positive int, got {dim!r}.")
     return add_symmetric_noise(key, jnp.zeros((dim, dim), dtype), std)
@@ -280,6 +323,10 @@ def project_psd(matrix, floor):
     ``floor = 0`` gives the Frobenius projection onto the PSD cone; a small positive floor keeps
     the matrix invertible (VIPS sets negative eigenvalues of the noisy second moment to a small
     positive value).
+
+    Args:
+      matrix: a square matrix ``[..., d, d]`` (symmetrised first).
+      floor: the smallest eigenvalue kept, ``>= 0``.
     """
     _check_nonnegative("floor", floor)
     matrix = jnp.asarray(matrix)
@@ -299,6 +346,10 @@ def aggregator_noise_share(std, num_clients: int):
     release of noise multiplier ``std / Delta``; a single share alone gives no such guarantee, so
     every decision (invalid-update rules, projections) must be taken on the aggregate, and a
     client's share must never be dropped after it was drawn.
+
+    Args:
+      std: the noise std the aggregated sum must carry, ``>= 0``.
+      num_clients: ``M``, the number of clients adding a share, a positive int.
     """
     if not isinstance(num_clients, int) or isinstance(num_clients, bool) or num_clients < 1:
         raise ValueError(f"num_clients must be a positive int, got {num_clients!r}.")
@@ -308,7 +359,14 @@ def aggregator_noise_share(std, num_clients: int):
 
 def aggregator_noise_shares(key, tree, std, num_clients: int):
     """``num_clients`` independent noise shares shaped like ``tree`` (leading client axis), each
-    with std ``std / sqrt(M)``, drawn with one independent key per client."""
+    with std ``std / sqrt(M)``, drawn with one independent key per client.
+
+    Args:
+      key: a ``jax.random`` key (split into one per client).
+      tree: a pytree of arrays giving one share's shapes and dtypes.
+      std: the noise std of the aggregated sum, ``>= 0``.
+      num_clients: ``M``, a positive int.
+    """
     share = aggregator_noise_share(std, num_clients)
     keys = jax.random.split(key, num_clients)
     return jax.vmap(lambda k: gaussian_noise_like(k, tree, share))(keys)

@@ -130,6 +130,11 @@ def add_gaussian_noise(key, tree, std):
     Adding it to a sum with L2 sensitivity ``Delta`` is the Gaussian mechanism with noise
     multiplier ``std / Delta``; record ``dimension`` = the number of coordinates of ``tree``
     (:func:`num_coordinates`) in the event so the ledger charges :data:`TAIL_MASS` for each.
+
+    Args:
+      key: a ``jax.random`` key.
+      tree: the pytree of arrays to release.
+      std: the noise std, ``>= 0``: a scalar (possibly traced) or a pytree prefix of ``tree``.
     """
     leaves, treedef = jax.tree_util.tree_flatten(tree)
     leaves = [jnp.asarray(leaf) for leaf in leaves]

@@ -140,7 +140,11 @@ def inclusion_threshold(rate) -> jax.Array:
     """uint32 ``t`` with ``t / 2^32 <= rate``: a row is included iff its 32 random bits ``< t``.
 
     In float32, ``rate`` may be rounded up by ``2^-24`` relative and the product once more; the
-    factor ``1 - 2^-20`` absorbs both, so the inclusion probability never exceeds ``rate``."""
+    factor ``1 - 2^-20`` absorbs both, so the inclusion probability never exceeds ``rate``.
+
+    Args:
+      rate: the sampling probability in (0, 1] (may be traced).
+    """
     rate = jnp.asarray(rate, dtype=jnp.float32)
     return jnp.floor(rate * jnp.float32(_RATE_SAFETY) * jnp.float32(_TWO_32)).astype(jnp.uint32)
 
@@ -301,7 +305,13 @@ def _valid_count(size_mask_or_n):
 def poisson_overflow_probability(n: int, rate: float, max_batch: int) -> float:
     """Per-step bound on the probability that :func:`poisson_batch` departs from exact Poisson
     sampling for a client with ``n`` rows (its neighbour may hold ``n + 1``):
-    ``P[Binomial(n + 1, rate) > max_batch] + max_batch * GAP_DEVIATION / rate`` (module docstring)."""
+    ``P[Binomial(n + 1, rate) > max_batch] + max_batch * GAP_DEVIATION / rate`` (module docstring).
+
+    Args:
+      n: the client's number of rows, a Python int.
+      rate: the sampling probability in (0, 1].
+      max_batch: the pad size of the batch, a Python int.
+    """
     n = _static_int("n", n)
     max_batch = _static_int("max_batch", max_batch)
     _check_rate(rate)
@@ -314,7 +324,15 @@ def poisson_pad_size(n: int, rate: float, steps: int = 1, overflow_tolerance: fl
 
     The ledger then adds at most ``(1 + e^epsilon) * overflow_tolerance`` to delta (module
     docstring): with the default ``1e-12`` and ``epsilon <= 10`` that is below ``2.3e-8``.
-    The result is at most ``n + 1`` (no overflow is then possible)."""
+    The result is at most ``n + 1`` (no overflow is then possible).
+
+    Args:
+      n: the client's number of rows, a Python int.
+      rate: the sampling probability in (0, 1].
+      steps: the number of batches drawn, over which the tolerance holds. Default 1.
+      overflow_tolerance: the bound, in (0, 1), on the probability that any of the ``steps`` batches
+        overflows.
+    """
     n = _static_int("n", n)
     steps = _static_int("steps", steps)
     _check_rate(rate)

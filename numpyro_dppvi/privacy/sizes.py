@@ -57,7 +57,13 @@ def validated_public_sizes(value):
 
 def declared_sizes(public_sizes, observed, caller: str = "fit") -> np.ndarray:
     """The declared bounds ``N_m`` for clients holding ``observed`` rows (``[M]`` int); a client above
-    its bound, or a list of the wrong length, is a ``ValueError`` naming the fix."""
+    its bound, or a list of the wrong length, is a ``ValueError`` naming the fix.
+
+    Args:
+      public_sizes: ``Privacy.public_sizes``: one int for all clients, or one bound per client.
+      observed: ``[M]``: the number of rows each client holds.
+      caller: the name of the public function the error messages start with. Default ``"fit"``.
+    """
     observed = np.asarray(observed, np.int64)
     if isinstance(public_sizes, int):
         bounds = np.full(observed.shape, public_sizes, np.int64)
@@ -77,7 +83,13 @@ def declared_sizes(public_sizes, observed, caller: str = "fit") -> np.ndarray:
 
 def public_client_sizes(privacy, observed, caller: str = "fit") -> np.ndarray:
     """The sizes every size-derived setting of a private fit is computed from: the declared bounds, else
-    the observed sizes (with a :class:`SizeDisclosureWarning` under add/remove; module docstring)."""
+    the observed sizes (with a :class:`SizeDisclosureWarning` under add/remove; module docstring).
+
+    Args:
+      privacy: the fit's :class:`~numpyro_dppvi.privacy.Privacy`, or None (the observed sizes, no warning).
+      observed: ``[M]``: the number of rows each client holds.
+      caller: the name of the public function the warning and error messages start with. Default ``"fit"``.
+    """
     if privacy is None:
         return np.asarray(observed, np.int64)
     if privacy.public_sizes is not None:

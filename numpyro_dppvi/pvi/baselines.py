@@ -9,7 +9,7 @@
 * BCM (Tresp 2000), one round: every client fits ``q_k`` to its own data from a local prior, and the
   server combines them. ``prior="same"``: local prior ``p``, ``eta_q = sum_k eta_qk - (K - 1) eta_p``.
   ``prior="split"``: local prior ``p^(n_k / n)``, ``eta_q = sum_k eta_qk``.
-  With ``privacy``: each client trains by DP-SGD (DESIGN §5.1) for ``local_steps`` steps, once.
+  With ``privacy``: each client trains by DP-SGD for ``local_steps`` steps, once.
   The combination is post-processing of the clients' DP releases; it can be improper on a coordinate
   the data barely inform (``K - 1`` prior precisions are subtracted from ``K`` noisy ones). Rule
   ``invalid="prior"`` (default): a coordinate whose combined precision is below the prior's falls back
@@ -46,12 +46,37 @@ def fit_global_vi(model, clients, *, steps: int = 1000, steps_per_round: int = 1
                   rank: int | None = None, noise_aware: bool | None = None) -> DPPVIResult:
     """VI (``privacy=None``) or DP-SGD VI on the pooled data of ``clients``; history every ``steps_per_round`` steps.
 
-    ``family``: ``"mean_field"`` or ``"full_rank"`` (private or not; see :class:`~numpyro_dppvi.pvi.driver.DPPVI`), or
-    ``"low_rank"`` with ``rank`` (private or not).
+    Args:
+      model: a NumPyro model taking the data arrays positionally (``@dppvi.model`` optional).
+      clients: one tuple of arrays per client, e.g. ``[(x_1, y_1), (x_2, y_2)]``; their rows are pooled.
+      steps: optimiser steps on the pooled data in all, a multiple of ``steps_per_round``; a private fit's noise
+        is calibrated to them.
+      steps_per_round: steps between two history entries (each entry counts one exchange with every client per
+        step as communications).
+      batch_size: rows per step (None: every pooled row). With ``privacy``: the expected Poisson batch, sampling
+        rate ``batch_size / n`` over the pooled rows.
+      num_samples: Monte Carlo draws of ``q`` per step, shared across the batch.
+      optimizer: the step: an optax ``GradientTransformation``, ``optim.Newton`` or ``optim.PrivateNewton``. None:
+        as in :class:`~numpyro_dppvi.DPPVI`: without privacy ``optim.cvi()`` (mean-field) or ``optim.Newton()``
+        (full-rank, low-rank); with privacy ``optim.PrivateNewton()`` for a mean-field or full-rank ``q`` of up to
+        :data:`~numpyro_dppvi.pvi.defaults.NEWTON_MAX_DIM` latent dimensions (``noise_aware`` not False), else
+        ``adam(1e-2)``.
+      rng_key: the fit's key; None draws it from the operating system (see :func:`~numpyro_dppvi.fit_dppvi`).
+      eval_data: held-out rows (a tuple of the model's arrays with the observations) evaluated in every history
+        entry, as in :func:`~numpyro_dppvi.fit_dppvi`. Default None.
+      progress: show a progress bar. Default False.
+      privacy: a :class:`~numpyro_dppvi.privacy.Privacy` for DP-SGD on the pooled data, as if a trusted aggregator
+        summed the clients' clipped gradients and added the noise once; every client's ledger row carries the
+        same events. Per-client ``public_sizes`` are summed into one bound for the pool. None: not private.
+      family: ``"mean_field"`` (default) or ``"full_rank"`` (private or not; see :class:`~numpyro_dppvi.DPPVI`), or
+        ``"low_rank"`` with ``rank`` (private or not).
+      rank: the rank of ``family="low_rank"`` (default ``round(sqrt(D))``).
+      noise_aware: as in :func:`~numpyro_dppvi.fit_dppvi` (private fits with a mean-field or full-rank ``q``:
+        the pooled data are one client whose releases the noise-aware step reads). Default None: wherever
+        available.
 
-    ``rng_key=None`` draws the key from the operating system (see :func:`~numpyro_dppvi.fit_dppvi`).
-    ``noise_aware``: as in :func:`~numpyro_dppvi.fit_dppvi` (private fits with a mean-field or full-rank ``q``:
-    the pooled data are one client whose releases the noise-aware step reads).
+    Returns:
+      a :class:`~numpyro_dppvi.DPPVIResult` (method ``"global_vi"`` or ``"dp_global_vi"``).
     """
     clients = validate_clients(clients)
     if steps % steps_per_round:
@@ -89,14 +114,35 @@ def fit_bcm(model, clients, *, prior: str = "same", local_steps: int = 1000, bat
             rank: int | None = None) -> DPPVIResult:
     """Bayesian committee machine in one round (``prior="same" | "split"``), optionally with DP-SGD training.
 
-    ``family``: ``"mean_field"``, ``"full_rank"`` or ``"low_rank"`` with ``rank`` (private or not; the low-rank
-    committee is widened by every client's directions and truncated to rank ``r``, :func:`low_rank_committee`);
-    with ``"full_rank"`` or ``"low_rank"`` a combined precision that is not positive definite raises (the reset rule is per coordinate, which a full precision matrix
-    does not have).
+    Every client fits ``q_k`` to its own data, once, from a local prior, and the server combines them.
 
-    ``rng_key=None`` draws the key from the operating system (see :func:`~numpyro_dppvi.fit_dppvi`).
-    ``invalid``: ``"prior"`` resets coordinates whose combined precision falls below the prior's to the
-    prior (counted in ``history[0]["reset_to_prior"]``, with a warning); ``"raise"`` raises instead.
+    Args:
+      model: a NumPyro model taking the data arrays positionally (``@dppvi.model`` optional).
+      clients: one tuple of arrays per client, e.g. ``[(x_1, y_1), (x_2, y_2)]``.
+      prior: the local prior: ``"same"`` (the default: the prior ``p``; ``eta_q = sum_k eta_qk - (K - 1) eta_p``)
+        or ``"split"`` (``p^(n_k / n)``; ``eta_q = sum_k eta_qk``).
+      local_steps: optimiser steps of each client's local fit.
+      batch_size: rows per step (None: the client's whole data). With ``privacy``: the expected Poisson batch of
+        each DP-SGD step.
+      num_samples: Monte Carlo draws of ``q`` per step, shared across the batch.
+      optimizer: the local step. None: without privacy ``optim.cvi()`` (mean-field) or ``optim.Newton()``
+        (full-rank, low-rank); with privacy ``adam(1e-2)``.
+      rng_key: the fit's key; None draws it from the operating system (see :func:`~numpyro_dppvi.fit_dppvi`).
+      eval_data: held-out rows (a tuple of the model's arrays with the observations), evaluated once in the
+        history's one entry. Default None.
+      privacy: a :class:`~numpyro_dppvi.privacy.Privacy`: each client trains by DP-SGD for ``local_steps`` steps,
+        once; the combination is post-processing of the releases. None: not private.
+      invalid: ``"prior"`` (default) resets coordinates whose combined precision falls below the prior's to the
+        prior (counted in ``history[0]["reset_to_prior"]``, with a warning); ``"raise"`` raises instead.
+      family: ``"mean_field"`` (default), ``"full_rank"`` or ``"low_rank"`` with ``rank`` (private or not; the
+        low-rank committee is widened by every client's directions and truncated to rank ``r``,
+        :func:`~numpyro_dppvi.pvi.baselines.low_rank_committee`); with ``"full_rank"`` or ``"low_rank"`` a
+        combined precision that is not positive definite raises (the reset rule is per coordinate, which a full
+        precision matrix does not have).
+      rank: the rank of ``family="low_rank"`` (default ``round(sqrt(D))``).
+
+    Returns:
+      a :class:`~numpyro_dppvi.DPPVIResult` (method ``"bcm_same"`` or ``"bcm_split"``).
     """
     if prior not in ("same", "split"):
         raise ValueError(f"fit_bcm: prior must be 'same' or 'split', got {prior!r}")

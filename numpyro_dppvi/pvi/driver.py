@@ -52,7 +52,12 @@ from .update_perturbation import INVALID_RULES
 
 
 class NoValidUpdates(FloatingPointError):
-    """No client produced a valid update in the whole fit: ``q`` is still the prior (``result``)."""
+    """No client produced a valid update in the whole fit: ``q`` is still the prior (``result``).
+
+    Args:
+        message: what happened and what to change.
+        result: the fit's (public) result, whose ``q`` is the prior; kept as ``err.result``.
+    """
 
     def __init__(self, message: str, result: DPPVIResult):
         super().__init__(message)
@@ -60,7 +65,12 @@ class NoValidUpdates(FloatingPointError):
 
 
 class FitDiverged(FloatingPointError):
-    """A round would have made the posterior invalid; ``result`` holds the last valid (public) result."""
+    """A round would have made the posterior invalid; ``result`` holds the last valid (public) result.
+
+    Args:
+        message: which round failed and what to change.
+        result: the public result of the last valid state; kept as ``err.result``.
+    """
 
     def __init__(self, message: str, result: DPPVIResult):
         super().__init__(message)
@@ -70,59 +80,99 @@ class FitDiverged(FloatingPointError):
 class DPPVI:
     """Partitioned variational inference driver, in the manner of ``numpyro.infer.SVI``.
 
+    ``init`` traces the model and returns the initial (private) :class:`PVIState`, ``round`` advances it by one
+    round, and ``run`` runs the rounds and returns the public :class:`~numpyro_dppvi.results.DPPVIResult`.
+    :func:`~numpyro_dppvi.fit_dppvi` builds one and runs it.
+
     Args:
         model: a NumPyro model taking the data arrays positionally (``@dppvi.model`` optional).
-        method: ``"pvi"`` (non-private local steps), ``"dp_optimisation"`` (DP-SGD in the local step),
+        method: ``"pvi"`` (non-private local steps, the default), ``"dp_optimisation"`` (DP-SGD in the local step),
             ``"local_averaging"``, ``"virtual_clients"`` or ``"parameter_perturbation"`` (privacy by
             perturbing model updates; without ``privacy`` they run without clipping or noise).
         schedule: ``"sequential" | "synchronous" | "asynchronous"``; default sequential for ``"pvi"`` and
             ``"dp_optimisation"``, synchronous for the update-perturbation methods, a trusted aggregator
-            and client-level DP (:data:`METHOD_DEFAULTS`).
-        optimizer: an optax ``GradientTransformation`` for the local steps (default: ``optim.cvi()`` for
-            ``"pvi"``, ``natural_gradient(0.5)`` for virtual clients, ``adam(1e-2)`` otherwise).
+            and client-level DP (:data:`~numpyro_dppvi.pvi.defaults.METHOD_DEFAULTS`).
+        optimizer: an optax ``GradientTransformation`` for the local steps, or
+            :class:`~numpyro_dppvi.optim.Newton` (``"full_rank"`` and ``"low_rank"`` families) or
+            :class:`~numpyro_dppvi.optim.PrivateNewton` (DP optimisation). Default: ``optim.cvi()`` for ``"pvi"``,
+            ``natural_gradient(0.5)`` for virtual clients, ``optim.Newton()`` for the full-rank and low-rank
+            families (but DP optimisation), for DP optimisation ``optim.PrivateNewton()`` on models of up to
+            :data:`~numpyro_dppvi.pvi.defaults.NEWTON_MAX_DIM` latent dimensions (mean-field or full-rank ``q``,
+            ``noise_aware`` not False) and ``adam(1e-2)`` above, ``adam(1e-2)`` otherwise.
         local_steps: optimiser steps per client (per shard for update perturbation) per round (default
             20 for ``"pvi"`` and for DP optimisation's private Newton steps, 10 otherwise).
         batch_size: rows per local step (``None``: the client's whole data). DP optimisation requires it: the
             expected Poisson batch (or the fixed batch without replacement), whose sampling rate ``batch_size / n_m``
             the accounting amplifies by, so that it trades noise per step against steps per budget and is yours to
-            choose (100-200 rows on the benchmarks' clients of 200-6,700 rows, docs/guide.md §4).
-        num_samples: Monte Carlo draws of ``q`` per step, shared across the batch.
-        damping: ``rho`` in ``t_m <- t_m + rho (q_new - q)``.
-        server_steps: steps of the server's prior-factor refinement per round (non-Gaussian priors).
-        privacy: a :class:`~numpyro_dppvi.privacy.Privacy`.
-        rounds: the planned number of rounds; needed to calibrate the noise to a budget.
+            choose (100-200 rows on the benchmarks' clients of 200-6,700 rows, docs/guide.md §4). Local averaging
+            without ``shards`` splits each client into ``ceil(n_m / batch_size)`` shards.
+        num_samples: Monte Carlo draws of ``q`` per step, shared across the batch. Default 10.
+        damping: ``rho`` in ``t_m <- t_m + rho (q_new - q)``, in ``(0, 1]``. Default 1, but 0.5 for DP optimisation
+            with an optax optimizer, 0.1 for virtual clients (0.25 with their noise-aware full-rank factors).
+        server_steps: steps of the server's prior-factor refinement per round (non-Gaussian priors). Default 50.
+        privacy: a :class:`~numpyro_dppvi.privacy.Privacy`; None (the default): not private. Required by
+            ``"dp_optimisation"`` and client-level DP; not allowed with ``"pvi"`` at the example level.
+        rounds: the planned number of rounds; needed to calibrate the noise to a budget, and the default of
+            :meth:`run`'s ``rounds``.
         shards: local partitions per client for update perturbation: ``"rows"`` (one record per
             shard; the default of ``virtual_clients``), an int, or ``f(n_m) -> int`` (records are
-            assigned by a keyed hash of their own values, see :mod:`numpyro_dppvi.pvi.shards`).
-        invalid: rule for noisy updates with a non-positive precision: ``"reject"`` or ``"floor"``.
-        precision_floor: the precision floor of ``invalid="floor"``.
+            assigned by a keyed hash of their own values, see :mod:`numpyro_dppvi.pvi.shards`). Parameter
+            perturbation uses one shard.
+        invalid: rule for noisy updates with a non-positive precision (update perturbation, client-level DP):
+            ``"reject"`` (the update is not applied) or ``"floor"`` (every precision of the proposal raised to at
+            least ``precision_floor``). Default ``"floor"`` for virtual clients and local averaging, ``"reject"``
+            otherwise.
+        precision_floor: the precision floor of ``invalid="floor"``. Default 1 (a standard-normal prior's
+            precision) for virtual clients and local averaging, 1e-3 otherwise.
         trusted_aggregator: synchronous update perturbation where each participating client adds a
-            share of the noise and only the sum is revealed (DESIGN §5.3).
+            share of the noise and only the sum is revealed, so that the noise of the sum is that of one
+            client's release (needs a private update-perturbation method). Default False.
         privacy_unit: ``"example"`` (default) or ``"client"`` (client-level DP, synchronous,
             ``method="pvi"`` local steps; clients sampled with probability ``client_rate``).
-        tail_average: the share of the last local iterates whose mean is the client's answer (default
-            0.5 for ``"pvi"``, 0 otherwise; :func:`~numpyro_dppvi.pvi.local.optimise`).
-        family: the Gaussian family of ``q`` and of every factor: ``"mean_field"`` (the default: independent
-            coordinates, ``O(D)`` per factor; left out, private virtual clients of up to
-            :data:`~.defaults.NEWTON_MAX_DIM` latents with a noise-aware posterior take ``"full_rank"`` and its
-            measured defaults, :meth:`_resolve_virtual_defaults`) or ``"full_rank"`` (a full precision matrix, ``O(D^2)``
-            memory per client and ``O(D^3)`` per step; local steps by :class:`~numpyro_dppvi.optim.Newton`,
-            :mod:`~numpyro_dppvi.pvi.full_rank`). Mean-field under-states the sds of correlated posteriors
-            (docs/guide.md, "Choosing the family"). ``"full_rank"`` is available without privacy
-            (``method="pvi"``, :func:`fit_global_vi`, :func:`fit_bcm`) and with every private method: update
-            perturbation (with or without a trusted aggregator) and client-level DP release a clipped change
-            of the whole precision matrix with symmetric noise
-            (:func:`~numpyro_dppvi.pvi.update_perturbation.release_change`); DP optimisation moves the mean
-            and the Cholesky factor of the covariance with an optax optimizer
-            (:func:`~numpyro_dppvi.factors.to_params`). A private release has ``D (D + 3) / 2`` noise
-            coordinates (mean-field ``2 D``).
-        ``"low_rank"`` with ``rank=r`` (default ``round(sqrt(D))``): a diagonal plus rank-``r`` precision in one
-            public basis shared by ``q`` and every factor (:mod:`~numpyro_dppvi.pvi.low_rank`); ``method="pvi"`` (Newton
-            steps), ``"dp_optimisation"`` (parameters ``(loc, log s, W)``, ``2 D + D r``
-            noise coordinates), parameter perturbation and local averaging (with or without a trusted aggregator) and
-            client-level DP (releases in the public basis, ``2 D + r (r + 1) / 2 + (D - r) r`` noise coordinates),
-            :func:`fit_global_vi`, :func:`fit_bcm` and the Flower deployment; not virtual clients. ``r = D`` is the
-            full-rank fit.
+        client_rate: client-level DP: the probability, in ``(0, 1]``, with which each client takes part in a
+            round (Poisson sampling of clients, which needs ``Privacy(sampling="poisson")`` below 1). Default 1:
+            every client every round.
+        tail_average: the share, in ``[0, 1)``, of the last local iterates whose mean is the client's answer (default
+            0.5 for ``"pvi"`` and for DP optimisation's private Newton steps, 0 otherwise;
+            :func:`~numpyro_dppvi.pvi.local.optimise`).
+        family: the Gaussian family of ``q`` and of every factor:
+
+            * ``"mean_field"`` (independent coordinates, ``O(D)`` per factor) is the default. Left out, private
+              virtual clients without an ``optimizer``, each client releasing its own update (no trusted
+              aggregator, example-level privacy) with a noise-aware posterior, take ``"full_rank"`` once the
+              model is traced if it has at most :data:`~numpyro_dppvi.pvi.defaults.NEWTON_MAX_DIM` latent
+              dimensions, and with it damping 0.25, 20 planned rounds when ``fit_dppvi`` chose the rounds
+              (:data:`~numpyro_dppvi.pvi.defaults.VIRTUAL_FULL_RANK_DEFAULTS`) and, unless ``Privacy.clip`` is
+              given, a clip from the calibrated noise and the planned shards
+              (:func:`~numpyro_dppvi.pvi.defaults.virtual_clip`); options you set are kept.
+            * ``"full_rank"``: a full precision matrix, ``O(D^2)`` memory per client and ``O(D^3)`` per step; local
+              steps by :class:`~numpyro_dppvi.optim.Newton`, :mod:`~numpyro_dppvi.pvi.full_rank`. Mean-field
+              under-states the sds of correlated posteriors (docs/guide.md, "Choosing the family").
+              ``"full_rank"`` is available without privacy (``method="pvi"``, :func:`fit_global_vi`, :func:`fit_bcm`)
+              and with every private method: update perturbation (with or without a trusted aggregator) and
+              client-level DP release a clipped change of the whole precision matrix with symmetric noise
+              (:func:`~numpyro_dppvi.pvi.update_perturbation.release_change`); DP optimisation moves the mean and
+              the Cholesky factor of the covariance with an optax optimizer
+              (:func:`~numpyro_dppvi.factors.to_params`). A private release has ``D (D + 3) / 2`` noise
+              coordinates (mean-field ``2 D``).
+            * ``"low_rank"`` with ``rank=r``: a diagonal plus rank-``r`` precision in one public basis shared by
+              ``q`` and every factor (:mod:`~numpyro_dppvi.pvi.low_rank`); ``method="pvi"`` (Newton steps),
+              ``"dp_optimisation"`` (parameters ``(loc, log s, W)``, ``2 D + D r`` noise coordinates), parameter
+              perturbation and local averaging (with or without a trusted aggregator) and client-level DP
+              (releases in the public basis, ``2 D + r (r + 1) / 2 + (D - r) r`` noise coordinates),
+              :func:`fit_global_vi`, :func:`fit_bcm` and the Flower deployment; not virtual clients. ``r = D`` is
+              the full-rank fit.
+        rank: the rank ``r`` of ``family="low_rank"``, a positive integer (default ``round(sqrt(D))``); only with
+            that family.
+        noise_aware: whether the result's ``q`` accounts for the uncertainty the privacy noise leaves in the fit
+            (post-processing of the releases, no privacy cost; ``result.q_fitted`` is ``q`` as fitted). None (the
+            default): wherever it is available, that is private DP optimisation with a mean-field or full-rank
+            ``q`` and :class:`~numpyro_dppvi.optim.PrivateNewton` local steps (the default without an
+            ``optimizer`` up to :data:`~numpyro_dppvi.pvi.defaults.NEWTON_MAX_DIM` latent dimensions;
+            :mod:`~numpyro_dppvi.pvi.noise_aware`), and private virtual clients with a mean-field or full-rank
+            ``q``, each client releasing its own update (:mod:`~numpyro_dppvi.pvi.release_noise`). True: insist
+            (an error where it is not available). False: ``q`` as fitted, and DP optimisation without an
+            ``optimizer`` takes the optax step.
     """
 
     def __init__(self, model, method: str = "pvi", schedule: str | None = None,
@@ -171,9 +221,9 @@ class DPPVI:
                                                                                                  "full_rank")
         self.given = {"damping": damping, "tail_average": tail_average, "noise_aware": noise_aware,
                       "local_steps": local_steps}
-        #: fit_dppvi sets it when ``rounds`` was left out and the method's default depends on the model
-        #: (virtual clients: :data:`~.defaults.VIRTUAL_FULL_RANK_DEFAULTS`); ``planned_rounds`` is then resolved
-        #: with the family (:meth:`_resolve_virtual_defaults`)
+        # fit_dppvi sets it when ``rounds`` was left out and the method's default depends on the model
+        # (virtual clients: :data:`~.defaults.VIRTUAL_FULL_RANK_DEFAULTS`); ``planned_rounds`` is then resolved
+        # with the family (:meth:`_resolve_virtual_defaults`)
         self.auto_rounds = False
         if isinstance(optimizer, PrivateNewton) and (method != "dp_optimisation" or family == "low_rank"):
             raise ValueError("optim.PrivateNewton is the local step of method='dp_optimisation' with family "
@@ -354,7 +404,10 @@ class DPPVI:
         """The shards of ``clients`` as this fit derives them (update-perturbation methods): keyed by a
         secret derived from ``key_data``, by the records' bytes, or by their positions under the
         substitute relation (:mod:`.shards`); ``counts``: the planned shard counts (a neighbouring data
-        set is laid out under the settings of the original)."""
+        set is laid out under the settings of the original).
+
+        :meta private:
+        """
         p = self.privacy
         return make_shards(clients, self.shards, keys.derived_bytes(key_data, keys.SHARD_HASH_TAG), counts=counts,
                            by_position=p is not None and p.neighbouring == "substitute")

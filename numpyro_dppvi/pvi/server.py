@@ -1,4 +1,4 @@
-"""PVI server: the state, and one round under each schedule (DESIGN §4).
+"""PVI server: the state, and one round under each schedule.
 
 Global posterior ``eta_q = eta_prior + eta_t0 + sum_m eta_t_m + eta_t_noise`` (natural parameters).
 ``t_noise`` is zero except with a trusted aggregator or client-level DP, where it holds the server's
@@ -45,7 +45,25 @@ SCHEDULES = ("sequential", "synchronous", "asynchronous")
 
 class PVIState(NamedTuple):
     """Everything a fit needs to continue: a pytree of arrays. **Private**: it holds the fit's key
-    and every client's private state; it goes only into the private checkpoint."""
+    and every client's private state; it goes only into the private checkpoint.
+
+    ``M`` is the number of clients, ``D`` the length of the unconstrained latent vector; a Gaussian's
+    ``eta2`` is ``[D]`` (mean-field), ``[D, D]`` (full-rank) or a low-rank structure, with the same
+    leading axis ``[M]`` where it is per client.
+
+    Attributes:
+      q: the current posterior (natural parameters).
+      factors: ``[M, ...]``: every client's factor ``t_m``.
+      server_factor: the server-held prior factor ``t_0``; zero on coordinates with an exact Gaussian prior.
+      noise_factor: the server-held aggregate noise (trusted aggregator, client-level DP); zero otherwise.
+      q_seen: ``[M, ...]``: the ``q`` each client received last (asynchronous schedule).
+      client_state: the per-client state of the local rule, stacked on axis 0 (private).
+      key: the fit's base PRNG key as raw ``uint32`` key data: secret.
+      round: int32: rounds completed.
+      communications: int32: client-server exchanges so far.
+      active: ``[M]`` bool: the clients still contributing (False once a client's budget is spent).
+      participations: ``[M]`` int32: participations charged to each client's budget.
+    """
 
     q: Gaussian  # eta1 [D]; eta2 [D] (mean-field) or [D, D] (full-rank), and so on below
     factors: Gaussian  # [M, D]
@@ -246,7 +264,7 @@ def client_sample(key, active, rate):
 
 def client_level(rule, damping, state: PVIState, data, mask, sizes, key, limits, clip, noise_std, client_rate,
                  invalid_rule="reject", precision_floor=1e-3):
-    """Synchronous round with client-level DP (Liu 2019, §3.3; DESIGN §5.3).
+    """Synchronous round with client-level DP (Liu 2019, §3.3).
 
     Clients take part independently with probability ``client_rate`` (:func:`client_sample`). Each
     participant's change ``Delta_m = eta(q_m) - eta(q)`` is clipped jointly to norm ``C`` (a

@@ -1,4 +1,4 @@
-"""Bayesian vertical federated learning (Hassan et al.; DESIGN §7).
+"""Bayesian vertical federated learning (Hassan et al.).
 
 Clients hold different columns of the same rows; each declares a NumPyro sub-model returning its
 contribution ``g_j`` to the linear predictor; the server holds ``y`` and the likelihood.

@@ -1,4 +1,4 @@
-"""A vertical-federated client: its own columns and a NumPyro sub-model (DESIGN §7).
+"""A vertical-federated client: its own columns and a NumPyro sub-model.
 
 Client ``j`` holds the columns ``x_j`` of the same ``n`` rows as every other client and a sub-model
 ``submodel(x_j)`` that samples its own parameters ``theta_j`` with ``numpyro.sample`` (and may own
@@ -116,6 +116,13 @@ def split_columns(feature_names: Sequence[str], covariates: Sequence[Sequence[st
 
     A feature belongs to covariate ``c`` when its name is ``c`` or starts with ``c + "="`` or
     ``c + "_"`` (one-hot and indicator columns). Every feature must belong to exactly one client.
+
+    Args:
+      feature_names: the names of the columns of the design matrix, in order.
+      covariates: one sequence of original covariate names per client.
+
+    Returns:
+      one integer array of column indices per client.
     """
     names = list(feature_names)
     owner = {}

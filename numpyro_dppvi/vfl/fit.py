@@ -1,4 +1,4 @@
-"""``fit_vfl``: wire clients, server, guides and the SFVI protocol together (DESIGN §7)."""
+"""``fit_vfl``: wire clients, server, guides and the SFVI protocol together."""
 
 from __future__ import annotations
 
@@ -62,8 +62,9 @@ def fit_vfl(
         rng_key: a ``jax.random`` key (default: a fresh key from the operating system).
         batch_size: rows per iteration (sampled without replacement by the server and sent to
             the clients as a row index); ``None`` uses all rows.
-        amortised_hidden: width of the amortised network's hidden layer (``amortized_hidden`` is
-            accepted).
+        amortised_hidden: width of the amortised network's hidden layer.
+        amortized_hidden: the same as ``amortised_hidden`` (American spelling); when given it takes
+            precedence.
         init_scale: initial std of ``q(theta)`` (and ``init_scale * rho`` for ``q(z)``).
         stl: use the sticking-the-landing gradient estimator (eq. 4).
 

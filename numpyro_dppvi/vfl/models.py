@@ -66,7 +66,13 @@ def _auxiliary(client: VFLClient, g, rho):
 
 def centralised_model(clients: Sequence[VFLClient], likelihood: Callable):
     """The true model (5): ``y ~ p(y | sum_j g_j(x_j, theta_j), gamma)``; returns
-    ``model(y=None)``."""
+    ``model(y=None)``.
+
+    Args:
+      clients: the :class:`~numpyro_dppvi.VFLClient` s, each with its columns ``x`` and its sub-model ``g_j``.
+      likelihood: ``likelihood(eta, y)``: a NumPyro program that samples the shared parameters ``gamma`` and
+        observes ``y`` given the linear predictor ``eta`` of shape ``[rows]``.
+    """
     check_clients(clients)
 
     def model(y=None):
@@ -77,7 +83,14 @@ def centralised_model(clients: Sequence[VFLClient], likelihood: Callable):
 
 
 def augmented_model(clients: Sequence[VFLClient], likelihood: Callable, rho: float):
-    """Augmented-variable model (6); returns ``model(y=None)``."""
+    """Augmented-variable model (6); returns ``model(y=None)``.
+
+    Args:
+      clients: the :class:`~numpyro_dppvi.VFLClient` s, each with its columns ``x`` and its sub-model ``g_j``.
+      likelihood: ``likelihood(eta, y)``: a NumPyro program that samples the shared parameters ``gamma`` and
+        observes ``y`` given the linear predictor ``eta`` of shape ``[rows]``.
+      rho: the standard deviation of ``z_j | theta_j``, a positive number.
+    """
     check_clients(clients)
     rho = _check_rho(rho)
 
@@ -94,7 +107,14 @@ def power_likelihood_model(clients: Sequence[VFLClient], likelihood: Callable, r
     """Power-likelihood model (7); returns ``model(y=None)``.
 
     Client ``j``'s term ``p(y | g_j + sum_{k != j} z_k, gamma)^(1/J)`` enters as observed sites
-    scoped ``"<client>/..."`` with log-density scale ``1/J``; all terms share one ``gamma``.
+    scoped ``"<client>/..."`` with log-density scale ``1/J``; all terms share one ``gamma``. The model needs
+    ``y`` (it has no generative form).
+
+    Args:
+      clients: the :class:`~numpyro_dppvi.VFLClient` s, each with its columns ``x`` and its sub-model ``g_j``.
+      likelihood: ``likelihood(eta, y)``: a NumPyro program that samples the shared parameters ``gamma`` and
+        observes ``y`` given the linear predictor ``eta`` of shape ``[rows]``.
+      rho: the standard deviation of ``z_j | theta_j``, a positive number.
     """
     check_clients(clients)
     rho = _check_rho(rho)

@@ -38,7 +38,17 @@ SERVER = "server"
 
 @dataclass(frozen=True)
 class Message:
-    """One message of one protocol iteration."""
+    """One message of one protocol iteration.
+
+    Attributes:
+      phase: the message's place in the iteration, counted from 0 (the numbered steps of the module
+        docstring, minus one: 0 the row index, 1 the clients' ``z_j``, ...).
+      sender: the sending party: ``"server"`` or a client's name.
+      receiver: the receiving party: ``"server"`` or a client's name.
+      kind: what the payload is (``"row_index"``, ``"z"``, ``"dL0/dz"``, ``"z_all"``, ``"gamma"``, ...).
+      shape: the payload's shape (for a payload of several arrays, ``(number of arrays,)``).
+      size: the number of scalars in the payload.
+    """
 
     phase: int
     sender: str

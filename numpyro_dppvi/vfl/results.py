@@ -27,13 +27,32 @@ from .sites import log_lik_rows, run_program
 class VFLResult(Result):
     """What :func:`fit_vfl` returns (the :class:`~numpyro_dppvi.results.Result` protocol).
 
+    :func:`fit_vfl` and :meth:`load` build it; its fields are the fit's inputs and outputs.
+
     Attributes:
-        elbo: per-iteration Monte Carlo ELBO estimates, shape ``[steps]``.
-        history: one dict per step: ``{"step", "elbo"}``.
-        communication: the message log: the messages of one iteration (sender, receiver, kind,
-            shape, size), their totals over the fit and per party.
-        privacy: :class:`~numpyro_dppvi.privacy.NotPrivate` (vertical fits add no noise).
+        clients: the :class:`~numpyro_dppvi.VFLClient` s of the fit (names, columns, sub-models).
+        likelihood: the likelihood program ``likelihood(eta, y)`` of the fit.
+        formulation: ``"augmented"``, ``"power"`` or ``"split"`` (see :func:`fit_vfl`).
+        guide: ``"mean_field"`` or ``"amortised"``: the guide of ``q(z_j | .)``.
+        rho: the standard deviation of ``z_j | theta_j`` (1 for ``"split"``).
+        parties: one :class:`~numpyro_dppvi.vfl.parties.ClientParty` per client, with its traced sub-model
+            and guide.
+        server: the :class:`~numpyro_dppvi.vfl.parties.ServerParty`, holding ``y``, the likelihood and the
+            guide of the shared parameters ``gamma``.
         state: the parties' final variational parameters (and, after a fit, optimiser states).
+        elbo: per-iteration Monte Carlo ELBO estimates, shape ``[steps]``.
+        messages: the :class:`~numpyro_dppvi.vfl.Message` s of one iteration, in order (empty for a loaded
+            result, whose ``communication`` keeps the log).
+        steps: the protocol iterations run.
+        signature: the fit's static structure (settings, likelihood, shapes, sub-models), under which its
+            compiled programs are reused; None for a loaded result. Default None.
+        settings: the fit's remaining settings (``num_samples``, ``batch_size``, ``amortised_hidden``,
+            ``init_scale``, ``stl``), saved with the result. Default ``{}``.
+        communication: the message log: the messages of one iteration (sender, receiver, kind,
+            shape, size), their totals over the fit and per party. None (the default): computed from
+            ``messages`` and ``steps``.
+        history: one dict per step: ``{"step", "elbo"}`` (computed, not an argument).
+        privacy: :class:`~numpyro_dppvi.privacy.NotPrivate` (vertical fits add no noise; not an argument).
     """
 
     kind = "VFLResult"

@@ -33,9 +33,18 @@ def mlp_submodel(hidden: Sequence[int] = (8, 2), *, bayesian_last_layer: bool = 
                  prior_scale: float = 1.0, activation=jnp.tanh):
     """A client sub-model ``x_j [n, p_j] -> g_j [n]``: an MLP with widths ``hidden``.
 
-    ``h = act(... act(x W_1 + b_1) ...)`` has ``hidden[-1]`` features; ``g = h w``. With
-    ``bayesian_last_layer`` the last layer ``w`` is a latent site ``"w"`` with a
-    ``N(0, prior_scale^2)`` prior; otherwise a point parameter (the plain split NN).
+    ``h = act(... act(x W_1 + b_1) ...)`` has ``hidden[-1]`` features; ``g = h w``. The hidden layers'
+    weights and biases are point parameters (``numpyro.param`` sites ``"W0"``, ``"b0"``, ...).
+
+    Args:
+      hidden: the widths of the hidden layers, a non-empty sequence of positive ints.
+      bayesian_last_layer: make the last layer ``w`` a latent site ``"w"`` with a ``N(0, prior_scale^2)``
+        prior (default); False: a point parameter (the plain split NN).
+      prior_scale: the prior standard deviation of ``w`` when it is latent.
+      activation: the activation function of the hidden layers (default ``jnp.tanh``).
+
+    Returns:
+      the sub-model ``submodel(x)``, for :class:`~numpyro_dppvi.VFLClient`.
     """
     hidden = tuple(int(h) for h in hidden)
     if not hidden or min(hidden) < 1:

@@ -42,6 +42,11 @@ class BetaBernoulli(ConjugateModelBase):
     ``n`` (``y^2 + (n-y)^2 <= n^2`` for ``0 <= y <= n``), the block bound.
     Posterior (M-step, Eq. 19): ``Beta(a0 + sum y_i, b0 + sum (n - y_i))``.
     Data: ``(y,)`` with ``y`` of shape ``[N]``, integers in ``[0, n]``.
+
+    Args:
+      concentration1: ``a0``, the prior's first concentration (of successes), positive. Default 1.
+      concentration0: ``b0``, the prior's second concentration (of failures), positive. Default 1.
+      total_count: ``n``, the number of trials of each observation, a positive integer (1: Bernoulli).
     """
 
     symmetric_blocks = ()
@@ -91,6 +96,10 @@ class DirichletCategorical(ConjugateModelBase):
 
     Sufficient statistic: ``one_hot(y_i)``, L2 norm exactly 1 (the bound).
     Posterior: ``Dirichlet(alpha0 + counts)``. Data: ``(y,)``, integers in ``[0, K)``.
+
+    Args:
+      concentration: ``alpha0``, a vector of ``K >= 2`` positive prior concentrations (its length is the
+        number of classes).
     """
 
     symmetric_blocks = ()
@@ -141,6 +150,12 @@ class GammaPoisson(ConjugateModelBase):
     Truncation biases the rate down when counts exceed ``B``: choose ``B`` from public
     knowledge of their range. ``count_bound=None`` (no truncation) runs non-privately only.
     Posterior: ``Gamma(a0 + sum y_i, b0 + N)``. Data: ``(y,)``, non-negative integers.
+
+    Args:
+      concentration: ``a0``, the prior's shape, positive. Default 1.
+      rate: ``b0``, the prior's rate, positive. Default 1.
+      count_bound: ``B``, the public bound to which counts are truncated, positive; required by a private fit.
+        Default None (no truncation).
     """
 
     symmetric_blocks = ()

@@ -135,6 +135,18 @@ def detect_conjugate(model, *data, feature_bound=None, target_bound=None, count_
     ``feature_bound`` / ``target_bound`` (Normal and logistic patterns) and ``count_bound``
     (Gamma-Poisson) are the public per-record bounds the private release needs; they are
     passed to the model class and may stay ``None`` for a non-private fit.
+
+    Args:
+      model: a NumPyro model (``@dppvi.model`` optional) with one observed site inside the privacy plate
+        and global, continuous latent sites.
+      *data: the model's positional arguments, observations included, as ``model(*data)`` is called.
+      feature_bound: the public bound on ``|x_i|`` (Normal and logistic patterns). Default None.
+      target_bound: the public bound on ``|y_i|`` (Normal patterns). Default None.
+      count_bound: the public bound to which counts are truncated (Gamma-Poisson). Default None.
+
+    Returns:
+      a :class:`~numpyro_dppvi.vips.Detection`: the conjugate model, the data in its layout, and how its
+      parameters map to the model's sites.
     """
     if not data:
         raise ValueError("pass the model's data (its positional arguments, observations included).")

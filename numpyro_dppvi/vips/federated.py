@@ -13,7 +13,7 @@ change of that released factor. The release's sensitivity is the joint clip norm
 ``sqrt(B)`` (add/remove) or ``2 sqrt(B)`` (substitute) in bound-rescaled units, so each call is
 one event ``Privacy.step_event(noise_multiplier, rate=1.0, count=1)`` for that client. With a
 trusted aggregator each of ``M`` clients passes ``noise_multiplier / sqrt(M)`` and the
-aggregated release is accounted with the full ``noise_multiplier`` (DESIGN §5.3).
+aggregated release is accounted with the full ``noise_multiplier``.
 
 The model's clean-up of a noisy sum (PSD projection, clamping counts at zero) is not applied by
 the client: :func:`conjugate_server_update` applies it to the **sum** of the factors, i.e. to a
@@ -74,9 +74,19 @@ def conjugate_client_delta(model, data, expected_natural_params, previous_factor
 
 def conjugate_server_update(model, params, factor_sum, rho: float = 1.0, noisy: bool = False):
     """Server M-step from the sum of the clients' factors: ``ν̃ <- (1-rho) ν̃ + rho (ν + sum_m t_m)``
-    followed by the model's hyperparameter refresh. With ``noisy=True`` the model's clean-up of a
-    noisy ESS sum (``postprocess_noisy_ess``) is applied to ``factor_sum`` first (post-processing of
-    the complete release). Returns the new global parameters."""
+    followed by the model's hyperparameter refresh.
+
+    Args:
+      model: the :class:`~numpyro_dppvi.vips.ConjugateModel`.
+      params: the current global parameters ``ν̃``.
+      factor_sum: ``sum_m t_m``, the sum of the clients' factors (ESS trees).
+      rho: the step towards the M-step's target, in ``(0, 1]``. Default 1.
+      noisy: the sum holds released noise: the model's clean-up of a noisy ESS sum (``postprocess_noisy_ess``)
+        is applied to ``factor_sum`` first (post-processing of the complete release). Default False.
+
+    Returns:
+      the new global parameters.
+    """
     if noisy:
         factor_sum = model.postprocess_noisy_ess(factor_sum)
     target = model.m_step(params, factor_sum)

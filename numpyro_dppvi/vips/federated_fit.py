@@ -1,4 +1,4 @@
-"""Federated VIPS: PVI for conjugate-exponential models with exact local steps (DESIGN §6).
+"""Federated VIPS: PVI for conjugate-exponential models with exact local steps.
 
 Each client ``m`` holds a factor ``t_m`` in the model's ESS parameters. In a round it receives the
 current expected natural parameters ``n̄``, computes its exact conjugate local step (its summed ESS,

@@ -170,16 +170,19 @@ def fit_vips(model, data, *, privacy=None, batch_size: int | None = None, steps:
         privacy: :class:`numpyro_dppvi.Privacy` or ``None`` (no clipping, no noise). With a
             privacy config, ``clip`` multiplies every ESS block bound of the model (the
             paper's ``a`` for LDA), ``noise_multiplier`` is noise std / joint clip norm, and
-            if only ``epsilon`` is given the noise is calibrated for ``iterations`` releases
+            if only ``epsilon`` is given the noise is calibrated for ``steps`` releases
             at the sampler's rate. ``sampling`` chooses Poisson or fixed-size batches without
             replacement (the paper's setting, substitution relation).
         batch_size: expected batch size ``S`` (Poisson rate ``S/N``); default all rows.
-        steps: number of VB steps ``T`` (default 100; ``iterations`` is accepted, its earlier name).
-        tau0, kappa: step size ``rho_t = (tau0 + t)^(-kappa)``, ``t = 0..T-1``; ``kappa = 0`` with
-            a full batch is batch VB. Default ``kappa``: 0.7 (the paper's), and 1 for a model whose statistics do
-            not depend on q (``ess_uses_params = False``: linear regression): with ``tau0 = 1`` every step then
-            weighs ``1/T``, the running mean, which of all blendings of equally noisy releases leaves the least
-            noise (``sum_t w_t^2 = 1/T``: 0.010 for 100 steps against 0.022 at 0.7).
+        steps: number of VB steps ``T`` (default 100).
+        iterations: the earlier name of ``steps``, still accepted (giving both with different values
+            raises).
+        tau0: the delay of the step size ``rho_t = (tau0 + t)^(-kappa)``, ``t = 0..T-1``. Default 1.
+        kappa: the decay of that step size; ``kappa = 0`` with a full batch is batch VB. Default 0.7 (the
+            paper's), and 1 for a model whose statistics do not depend on q (``ess_uses_params = False``: linear
+            regression): with ``tau0 = 1`` every step then weighs ``1/T``, the running mean, which of all
+            blendings of equally noisy releases leaves the least noise (``sum_t w_t^2 = 1/T``: 0.010 for 100
+            steps against 0.022 at 0.7).
         rng_key: ``jax.random`` key (batches, noise, random initialisation). Leave it out for a
             private fit: the key is then drawn from the operating system and never saved; a key you
             pass must stay secret for the guarantee to hold (the ledger records which was used).

@@ -42,8 +42,12 @@ class LDA(ConjugateModelBase):
     """LDA with ``K`` topics over a vocabulary of ``V`` words (see the module docstring).
 
     Args:
-        num_topics, vocab_size: ``K`` and ``V``.
-        alpha, eta: symmetric Dirichlet hyperparameters (default ``1/K`` both, as the paper).
+        num_topics: ``K``, the number of topics (at least 2).
+        vocab_size: ``V``, the number of words in the vocabulary (at least 2).
+        alpha: the symmetric Dirichlet hyperparameter of the documents' topic proportions ``theta_d``, positive
+            (default ``1/K``, as the paper).
+        eta: the symmetric Dirichlet hyperparameter of the topics ``beta_k``, positive (default ``1/K``, as the
+            paper).
         doc_length: ``N``, the (maximum) number of tokens per document, used for the
             per-document bound ``N`` (use :func:`fixed_length_documents` to resample every
             document to ``N`` tokens, as the paper does).

@@ -164,6 +164,17 @@ class BayesianLinearRegression(_BoundedXY, ConjugateModelBase):
     ``xx = x x^T / s^2`` (bound ``B_x^2 / s^2``, symmetric). Posterior:
     ``Lambda = Lambda0 + sum xx``, ``Lambda mu = Lambda0 m0 + sum xy``.
     Data: ``(x [N, D], y [N])``.
+
+    Args:
+      num_features: ``D``, the number of columns of ``x`` (and of weights ``w``).
+      noise_scale: ``s``, the known noise standard deviation, positive.
+      prior_mean: ``m0``, a scalar (every coordinate) or a ``[D]`` vector. Default 0.
+      prior_precision: ``Lambda0``, a scalar, a ``[D]`` vector (diagonal) or a ``[D, D]`` positive-definite
+        matrix. Default 1.
+      feature_bound: ``B_x``, the public bound on ``|x_i|``; required by a private fit. When given, every ``x_i``
+        is projected onto the ball of that radius. Default None.
+      target_bound: ``B_y``, the public bound on ``|y_i|``; required by a private fit. When given, every ``y_i``
+        is clipped to ``[-B_y, B_y]``. Default None.
     """
 
     symmetric_blocks = ("xx",)
@@ -279,6 +290,20 @@ class NormalGammaLinearRegression(_BoundedXY, ConjugateModelBase):
     ESS of one example: ``xy`` (bound ``B_x B_y``), ``xx`` (``B_x^2``, symmetric) and
     ``y2_count = [y^2, 1]`` (bound ``sqrt(B_y^4 + 1)``; it carries the count so that ``N``
     itself is released with noise under add/remove).
+    Data: ``(x [N, D], y [N])``.
+
+    Args:
+      num_features: ``D``, the number of columns of ``x`` (and of weights ``w``).
+      prior_mean: ``m0``, a scalar (every coordinate) or a ``[D]`` vector. Default 0.
+      prior_precision: ``Lambda0``, a scalar, a ``[D]`` vector (diagonal) or a ``[D, D]`` positive-definite
+        matrix. Default 1.
+      noise_concentration: ``a0``, the shape of the Gamma prior of the noise precision ``tau``, positive.
+        Default 1.
+      noise_rate: ``b0``, the rate of that Gamma prior, positive. Default 1.
+      feature_bound: ``B_x``, the public bound on ``|x_i|``; required by a private fit. When given, every ``x_i``
+        is projected onto the ball of that radius. Default None.
+      target_bound: ``B_y``, the public bound on ``|y_i|``; required by a private fit. When given, every ``y_i``
+        is clipped to ``[-B_y, B_y]``. Default None.
     """
 
     symmetric_blocks = ("xx",)

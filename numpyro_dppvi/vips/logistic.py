@@ -39,11 +39,15 @@ class PolyaGammaLogisticRegression(_BoundedXY, ConjugateModelBase):
 
     Args:
         num_features: ``D`` (include a column of ones in ``x`` for an intercept).
-        prior_mean, prior_precision: fixed Gaussian prior (ignored with ``hyperprior``).
+        prior_mean: the fixed Gaussian prior's mean, a scalar or a ``[D]`` vector (default 0; ignored with
+            ``hyperprior``, whose prior mean is 0).
+        prior_precision: the fixed Gaussian prior's precision, a scalar, a ``[D]`` vector (diagonal) or a
+            ``[D, D]`` positive-definite matrix (default 1; ignored with ``hyperprior``).
         hyperprior: ``(a0, b0)`` for ``alpha ~ Gamma(a0, b0)`` on the weight precision
             (the paper uses ``(1, 1)``); ``None`` for the fixed prior.
         feature_bound: public ``B`` with records projected into ``|x| <= B``; required for a
             private fit (the paper scales inputs so that ``B = 1``).
+
     Data: ``(x [N, D], y [N])`` with ``y`` in ``{0, 1}``.
     """
 

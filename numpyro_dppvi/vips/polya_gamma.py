@@ -27,6 +27,9 @@ def polya_gamma_mean(c):
 
     Near zero the ratio is replaced by its Taylor series ``1/4 - c^2/48 + c^4/480``
     so that the value and its gradient stay finite in float32.
+
+    Args:
+      c: the tilting parameter, an array (elementwise); only ``|c|`` matters.
     """
     c = jnp.abs(jnp.asarray(c))
     small = c < _SERIES_SWITCH
@@ -45,7 +48,14 @@ def sample_polya_gamma(rng_key, c, num_draws: int, num_terms: int = 1000):
     at most ``1 / (2 pi^2 num_terms)`` (5e-5 for 1000 terms). Meant for tests and
     diagnostics, not for the inference loop (which only needs the mean).
 
-    Returns an array of shape ``(num_draws,) + jnp.shape(c)``.
+    Args:
+      rng_key: a ``jax.random`` key.
+      c: the tilting parameter, an array (one ``PG(1, c)`` per element).
+      num_draws: the number of draws of each element.
+      num_terms: the terms of the sum kept. Default 1000.
+
+    Returns:
+      an array of shape ``(num_draws,) + jnp.shape(c)``.
     """
     c = jnp.asarray(c)
     k = jnp.arange(1, num_terms + 1, dtype=jnp.result_type(float))

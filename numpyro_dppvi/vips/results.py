@@ -71,6 +71,11 @@ class VIPSResult(Result):
         noise_multiplier: noise std / joint clip norm actually used (``None`` without privacy).
         numpyro_model: the NumPyro model the conjugate model was detected from, if any.
         site_map: for a detected model, how posterior draws map to the model's sites.
+        info: the fit's public settings and facts (JSON-like): e.g. ``num_data``, ``batch_size``,
+            ``iterations``, ``tau0``, ``kappa`` and ``joint_clip`` for :func:`~numpyro_dppvi.fit_vips`;
+            ``federated``, ``schedule``, ``damping`` and ``trusted_aggregator`` for federated VIPS; the
+            observed site's name (``observed``) for a detected model; ``noise_aware`` and the release noise's
+            variance for either.
         params_fitted: with a noise-aware fit (``fit_vips(noise_aware=...)``), the parameters as fitted, before the
             noise-aware step made ``params`` account for the release noise; ``None`` otherwise.
     """

@@ -60,8 +60,11 @@ class SigmoidBeliefNet(ConjugateModelBase):
     """One-hidden-layer SBN (see the module docstring). Data: ``(y [N, J],)`` in ``{0, 1}``.
 
     Args:
-        num_visible, num_hidden: ``J`` and ``K``.
-        prior_precision_w, prior_precision_c, prior_precision_b: Gaussian prior precisions.
+        num_visible: ``J``, the number of visible (binary) units: the length of ``y_n``.
+        num_hidden: ``K``, the number of binary hidden units.
+        prior_precision_w: the Gaussian prior precision of the weights ``w_j``, positive. Default 1.
+        prior_precision_c: the Gaussian prior precision of the visible biases ``c_j``, positive. Default 1.
+        prior_precision_b: the Gaussian prior precision of the hidden biases ``b_k``, positive. Default 1.
         inner_iterations: alternations of the ``omega`` and ``z`` updates in the E-step.
         init_scale: std of the random (data-independent) initial weight means, and of the
             initial ``q(w)``.
