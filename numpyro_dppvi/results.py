@@ -190,7 +190,7 @@ class Result:
         return az.summary(self.to_arviz(num_samples, rng_key), **kwargs)
 
 
-def load(path, model=None, hmac_key: bytes | None = None, **options) -> Result:
+def load(path, model=None, hmac_key: bytes | None = None) -> Result:
     """Load any saved result: the class (``DPPVIResult``, ``VIPSResult``, ``VFLResult``) is chosen
     from the file.
 
@@ -214,7 +214,7 @@ def load(path, model=None, hmac_key: bytes | None = None, **options) -> Result:
     if cls is None:
         raise ValueError(f"{path} does not hold a numpyro_dppvi result (kind {meta.get('kind')!r}; known: "
                          f"{sorted(Result._registry)})")
-    return cls.from_saved(arrays, meta, model, path, **options)
+    return cls.from_saved(arrays, meta, model, path)
 
 
 class DPPVIResult(Result):
