@@ -80,7 +80,8 @@ default_role = "code"
 
 html_theme = "furo"
 html_title = f"numpyro_dppvi {release}"
-html_static_path: list[str] = []
+html_static_path = ["_static"]
+html_css_files = ["outputs.css"]  # cell outputs wrap at the page's edge (issue 60, item 8)
 
 # --------------------------------------------------------------------------------------------
 # Each object once, under its shortest public name.

@@ -16,6 +16,12 @@
 # a logistic regression with strongly correlated covariates over five clients, against NumPyro's NUTS on the
 # pooled data (which no client could run: it is the reference only).
 
+# %% tags=["remove-cell"]
+# Hidden in the documentation: a warning is shown as "Category: message", without the notebook's temporary file path.
+import warnings
+
+warnings.formatwarning = lambda message, category, *args, **kwargs: f"{category.__name__}: {message}\n"
+
 # %%
 import warnings
 

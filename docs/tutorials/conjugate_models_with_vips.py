@@ -16,6 +16,12 @@
 # every gradient: cheap, and for Bayesian linear regression the exact posterior is known, so we can see what
 # the privacy costs. `fit_vips` recognises the conjugate structure of an ordinary NumPyro model.
 
+# %% tags=["remove-cell"]
+# Hidden in the documentation: a warning is shown as "Category: message", without the notebook's temporary file path.
+import warnings
+
+warnings.formatwarning = lambda message, category, *args, **kwargs: f"{category.__name__}: {message}\n"
+
 # %%
 import warnings
 

@@ -20,6 +20,12 @@
 #
 # It needs the `flower` extra: `pip install "numpyro_dppvi[flower]"`.
 
+# %% tags=["remove-cell"]
+# Hidden in the documentation: a warning is shown as "Category: message", without the notebook's temporary file path.
+import warnings
+
+warnings.formatwarning = lambda message, category, *args, **kwargs: f"{category.__name__}: {message}\n"
+
 # %%
 import tempfile
 import warnings

@@ -18,6 +18,12 @@
 # The source is a plain Python file in jupytext's percent format (`docs/tutorials/`): it runs as a script
 # (`python docs/tutorials/first_private_posterior.py`), and the documentation build executes it as a notebook.
 
+# %% tags=["remove-cell"]
+# Hidden in the documentation: a warning is shown as "Category: message", without the notebook's temporary file path.
+import warnings
+
+warnings.formatwarning = lambda message, category, *args, **kwargs: f"{category.__name__}: {message}\n"
+
 # %%
 import warnings
 
