@@ -89,8 +89,9 @@ class Result:
         :meth:`CalibrationReport.annotate <numpyro_dppvi.simulation_calibration.CalibrationReport.annotate>` returned
         (the pooled 50% and 90% coverage of :func:`numpyro_dppvi.calibration_check` within their bars, or not);
         ``False`` from the fit itself when it cannot vouch for them (a noise-aware DP optimisation fit whose
-        posterior could not use the clients' curvature estimates, :func:`numpyro_dppvi.pvi.noise_aware.calibration`:
-        its ``convergence["converged"]`` is then False too, and a
+        posterior could not use the clients' curvature estimates, :func:`numpyro_dppvi.pvi.noise_aware.calibration`,
+        or a private fit whose posterior does not account for the noise,
+        :func:`numpyro_dppvi.pvi.noise_aware.not_noise_aware`: its ``convergence["converged"]`` is then False too, and a
         :class:`~numpyro_dppvi.diagnostics.CalibrationWarning` says what to do); ``None`` otherwise, or for a
         posterior that a check's widening changed since (``report.recalibrate``). A fit that does not flag itself
         is not thereby calibrated: the check measures that on your model."""

@@ -649,11 +649,14 @@ class DPPVI:
         ``calibrated`` None (one fit alone does not tell: :func:`numpyro_dppvi.calibration_check` measures it) and,
         for a noise-aware DP optimisation fit, the noise-aware posterior's ``precision_rule``
         (:func:`.noise_aware.posterior_precision`, from the same program as its ``q``), with ``calibrated`` False
-        where that rule cannot vouch for the intervals (:func:`.noise_aware.calibration`); its ``convergence`` then
+        where that rule cannot vouch for the intervals (:func:`.noise_aware.calibration`), and False for a private fit
+        whose posterior does not account for the noise (:func:`.noise_aware.not_noise_aware`); its ``convergence`` then
         says ``converged`` False (``calibrated`` False beside it), whatever the iterates did."""
         q, rule = self._noise_aware_q(state) if self.noise_aware else (state.q, None)
         calibration = None
-        if self.plan is not None:
+        if self.plan is not None and not self.noise_aware:
+            calibration = noise_aware.not_noise_aware()
+        elif self.plan is not None:
             calibration = {"calibrated": None} if rule is None else noise_aware.calibration(rule)
         convergence = getattr(self, "convergence", None)
         if convergence is not None and calibration is not None and calibration["calibrated"] is False:
@@ -797,7 +800,8 @@ class DPPVI:
         if rounds and self.noise_aware:  # a fit that flags its intervals gives that warning instead
             self._warn_if_noise_widens(state, quiet=result.calibrated is False)
         if rounds and result.calibrated is False:
-            noise_aware.warn_uncalibrated(self.caller, result.calibration["precision_rule"], self.adapter.dim)
+            noise_aware.warn_uncalibrated(self.caller, result.calibration["precision_rule"], self.adapter.dim,
+                                          NEWTON_MAX_DIM if self.method == "dp_optimisation" else None)
         if rounds:
             diagnostics.warn_if_unconverged(self.convergence, self.caller,
                                             *convergence_advice(self.caller, self.schedule, self.family,
