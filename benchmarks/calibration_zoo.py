@@ -19,7 +19,8 @@ fit's round-to-round jitter (posterior sd) and own coverage; how many fits flagg
 False, ``flagged``) and the coverage of the others (``cover90_unflagged``, ``cover50_unflagged``). A cell holds the
 promise (``private_cells_in_bar_or_flagged``) when it covers, when every fit is flagged, or when its unflagged fits
 cover; a flag is earned when no covering cell flags more than one fit in ten
-(``covering_cells_flagging_more_than_one_in_ten`` lists those that do). ``pvi`` cells also fit NUTS (500 + 500) on the pooled data of the first ``--nuts`` data sets:
+(``covering_cells_flagging_more_than_one_in_ten`` lists those that do). ``warning_rates``: per method, the share of
+its fits that gave each warning class (a cell's ``warned`` counts its fits, not its warnings). ``pvi`` cells also fit NUTS (500 + 500) on the pooled data of the first ``--nuts`` data sets:
 the worst mean gap to it in NUTS posterior sds.
 
 Bars (issue 59): 90% coverage within 0.85-0.95 and 50% within 0.42-0.58 (the unflagged fits' coverage is read
@@ -172,7 +173,7 @@ def merge(parts: list[dict], directory=None) -> Path:
     existing = previous.get("cells", {})
     kept = {k: v for k, v in previous.items() if k not in (
         "benchmark", "machine", "bars", "commit", "private_cells_in_bar", "private_cells_in_bar_or_flagged",
-        "covering_cells_flagging_more_than_one_in_ten", "cells")}
+        "covering_cells_flagging_more_than_one_in_ten", "warning_rates", "cells")}
     for part in parts:
         existing[cell_name(part["model"], part["method"], part["rows"], part["epsilon"])] = part
     in_bar = {name: c["in_bar"] for name, c in existing.items() if c["method"] != "pvi"}
@@ -184,12 +185,21 @@ def merge(parts: list[dict], directory=None) -> Path:
         for name, c in existing.items() if c["method"] != "pvi"}
     overflagged = sorted(name for name, c in existing.items()
                          if c["method"] != "pvi" and c["in_bar"] and c.get("flagged", 0) > c["datasets"] / 10)
+    rates: dict = {}  # per method and warning class: the share of fits that gave it (issue 60, item 8)
+    for c in existing.values():
+        entry = rates.setdefault(c["method"], {"fits": 0})
+        entry["fits"] += c["datasets"]
+        for category, count in (c.get("warned") or {}).items():
+            entry[category] = entry.get(category, 0) + count
+    warning_rates = {method: {k: round(v / entry["fits"], 3) for k, v in sorted(entry.items()) if k != "fits"}
+                     | {"fits": entry["fits"]} for method, entry in sorted(rates.items())}
     commit = subprocess.run(["git", "-C", str(ROOT), "describe", "--always", "--dirty"], capture_output=True,
                             text=True).stdout.strip()
     return write(NAME, {"bars": {"cover90": [0.85, 0.95], "cover50": [0.42, 0.58]}, "commit": commit,
                         "private_cells_in_bar": f"{sum(in_bar.values())} of {len(in_bar)}",
                         "private_cells_in_bar_or_flagged": f"{sum(honest.values())} of {len(honest)}",
                         "covering_cells_flagging_more_than_one_in_ten": overflagged,
+                        "warning_rates": warning_rates,
                         **kept, "cells": dict(sorted(existing.items()))}, directory)
 
 
