@@ -101,6 +101,19 @@ def one_client(state, m=0):
     return jax.tree.map(lambda a: a[m], state.client_state)
 
 
+def beside(pair, value):
+    """The audited pair with ``value`` (the noise std or the clip the mechanism uses) beside each data set, the same
+    in both: a public input of the audit's compiled program instead of a constant compiled into it, so that a
+    planted bug that only scales the noise (or lifts the clip) runs its honest audit's program (each DP
+    optimisation audit's program takes 6-7 s of XLA to compile). The mechanism and the runs are unchanged."""
+    return tuple((data, value) for data in pair)
+
+
+def noise_std(state, scale=1.0):
+    """Client 0's noise std as the driver computed it for the plan, times ``scale`` (a planted bug's)."""
+    return one_client(state)["noise_std"] * scale
+
+
 # --------------------------------------------------------------------------- DP optimisation
 
 @functools.lru_cache  # set-up (model trace, plan, init) shared by an audit and its planted bugs
@@ -117,12 +130,12 @@ def dp_optimisation_setup(neighbouring="add_remove", steps=2, n=10, batch=5, noi
     return d, state, claim
 
 
-def dp_optimisation_mechanism(d, state, rule=None, noise_scale=1.0):
+def dp_optimisation_mechanism(d, state, rule=None):
     """``local_steps`` released gradients ``-((sum clip(g_i) + noise) / b + prior grad)`` at a fixed
-    public ``q`` (the rule's own ``private_step`` with the driver's Poisson sampler and noise std)."""
+    public ``q`` (the rule's own ``private_step`` with the driver's Poisson sampler), on ``(data, noise std)``
+    (:func:`beside`; the driver's std: :func:`noise_std`)."""
     rule = d.rule if rule is None else rule
     cs = one_client(state)
-    cs = dict(cs, noise_std=cs["noise_std"] * noise_scale)
     # a narrow q: the planted row's gradient points along loc_1 (log-scale part ~1e-3 of it)
     params = {"loc": jnp.zeros(2), "log_scale": jnp.full(2, -3.0)}
     if d.family == "full_rank":  # as narrow, with a correlation: (loc, log diag L, L below the diagonal)
@@ -130,9 +143,10 @@ def dp_optimisation_mechanism(d, state, rule=None, noise_scale=1.0):
     n = d.sizes[0]
 
     def mechanism(key, data):
-        arrays, mask = data
+        (arrays, mask), std = data
+        with_std = dict(cs, noise_std=std)
         def step(t):
-            grads, _, _ = rule.private_step(params, jax.random.fold_in(key, t), arrays, mask, n, state.q, cs)
+            grads, _, _ = rule.private_step(params, jax.random.fold_in(key, t), arrays, mask, n, state.q, with_std)
             return flat(grads)
         return jax.vmap(step)(jnp.arange(d.local_steps))
 
@@ -156,8 +170,9 @@ def test_dp_optimisation_audit(bug):
     """Two Poisson-subsampled DP-SGD releases (q = 0.5) of one client, add/remove neighbour."""
     d, state, claim = dp_optimisation_setup()
     rule = dataclasses.replace(d.rule, clip=1e6) if bug == "clip skipped" else None
-    mechanism = dp_optimisation_mechanism(d, state, rule, noise_scale=0.1 if bug == "noise / 10" else 1.0)
-    result = audit(mechanism, *dp_optimisation_pair(d, "add_remove"), jax.random.key(10), DELTA, num_runs=RUNS)
+    mechanism = dp_optimisation_mechanism(d, state, rule)
+    pair = beside(dp_optimisation_pair(d, "add_remove"), noise_std(state, 0.1 if bug == "noise / 10" else 1.0))
+    result = audit(mechanism, *pair, jax.random.key(10), DELTA, num_runs=RUNS)
     check("dp_optimisation", f"add/remove, bug: {bug}", result, claim, expect_exceeds=bug != "none")
 
 
@@ -168,7 +183,8 @@ def test_dp_optimisation_audit_with_the_default_adaptive_clip():
     d, state, claim = dp_optimisation_setup(adaptive_clip="auto")
     assert "clip" in one_client(state)
     mechanism = dp_optimisation_mechanism(d, state)
-    result = audit(mechanism, *dp_optimisation_pair(d, "add_remove"), jax.random.key(13), DELTA, num_runs=RUNS)
+    pair = beside(dp_optimisation_pair(d, "add_remove"), noise_std(state))
+    result = audit(mechanism, *pair, jax.random.key(13), DELTA, num_runs=RUNS)
     check("dp_optimisation", "add/remove, adaptive clip, bug: none", result, claim, expect_exceeds=False)
 
 
@@ -180,7 +196,8 @@ def test_full_rank_dp_optimisation_audit(bug):
     d, state, claim = dp_optimisation_setup(family="full_rank")
     rule = dataclasses.replace(d.rule, clip=1e6) if bug == "clip skipped" else None
     mechanism = dp_optimisation_mechanism(d, state, rule)
-    result = audit(mechanism, *dp_optimisation_pair(d, "add_remove"), jax.random.key(12), DELTA, num_runs=RUNS)
+    pair = beside(dp_optimisation_pair(d, "add_remove"), noise_std(state))
+    result = audit(mechanism, *pair, jax.random.key(12), DELTA, num_runs=RUNS)
     check("dp_optimisation", f"full-rank, add/remove, bug: {bug}", result, claim, expect_exceeds=bug != "none")
 
 
@@ -219,7 +236,7 @@ def test_dp_optimisation_audit_of_the_scaled_log_scale_block(bug, monkeypatch):
 
         monkeypatch.setattr(local, "clipped_sum", scaled_after_the_clip)
     mechanism = dp_optimisation_mechanism(d, state)
-    result = audit(mechanism, *curvature_pair(d), jax.random.key(14), DELTA, num_runs=RUNS)
+    result = audit(mechanism, *beside(curvature_pair(d), noise_std(state)), jax.random.key(14), DELTA, num_runs=RUNS)
     check("dp_optimisation", f"log-scale block, add/remove, bug: {bug}", result, claim, expect_exceeds=bug != "none")
 
 
@@ -227,7 +244,8 @@ def test_dp_optimisation_audit_of_the_scaled_log_scale_block(bug, monkeypatch):
 def test_dp_optimisation_substitute_audit_passes():
     d, state, claim = dp_optimisation_setup("substitute")
     mechanism = dp_optimisation_mechanism(d, state)
-    result = audit(mechanism, *dp_optimisation_pair(d, "substitute"), jax.random.key(11), DELTA, num_runs=RUNS)
+    pair = beside(dp_optimisation_pair(d, "substitute"), noise_std(state))
+    result = audit(mechanism, *pair, jax.random.key(11), DELTA, num_runs=RUNS)
     check("dp_optimisation", "substitute, bug: none", result, claim, expect_exceeds=False)
 
 
@@ -263,14 +281,15 @@ def released_sum(rule, arrays, mask, n, key, cs, num_shards):
     return factors.scale(factors.divide(proposal, public_q), num_shards)
 
 
-def update_mechanism(d, state, rule=None, noise_scale=1.0):
+def update_mechanism(d, state, rule=None):
+    """The released sum (:func:`released_sum`) on ``(arrays, noise std)`` (:func:`beside`)."""
     rule = d.rule if rule is None else rule
     cs = one_client(state)
-    cs = dict(cs, noise_std=cs["noise_std"] * noise_scale)
     n, num_shards = d.sizes[0], 1.0 if d.method == "virtual_clients" else float(d.num_shards[0])
 
-    def mechanism(key, arrays):
-        return flat(released_sum(rule, arrays, d.mask[0], n, key, cs, num_shards))
+    def mechanism(key, data):
+        arrays, std = data
+        return flat(released_sum(rule, arrays, d.mask[0], n, key, dict(cs, noise_std=std), num_shards))
 
     return mechanism
 
@@ -298,7 +317,8 @@ def test_parameter_perturbation_audit(bug):
     wrong claim)."""
     d, state, claim = update_setup("parameter_perturbation", None, noise_multiplier=UPDATE_SIGMA)
     rule = dataclasses.replace(d.rule, clip=None) if bug == "clip skipped" else None
-    result = audit(update_mechanism(d, state, rule), *update_pair(d), jax.random.key(20), DELTA, num_runs=RUNS)
+    result = audit(update_mechanism(d, state, rule), *beside(update_pair(d), noise_std(state)), jax.random.key(20),
+                   DELTA, num_runs=RUNS)
     check("parameter_perturbation", f"substitute, bug: {bug}", result, claim, expect_exceeds=bug != "none")
     if bug == "none":
         check("parameter_perturbation", "substitute, bug: wrong relation", result,
@@ -313,7 +333,8 @@ def test_full_rank_parameter_perturbation_audit(bug):
     distinguisher sees every entry of both (the mirrored ones too)."""
     d, state, claim = update_setup("parameter_perturbation", None, noise_multiplier=UPDATE_SIGMA, family="full_rank")
     rule = dataclasses.replace(d.rule, clip=None) if bug == "clip skipped" else None
-    result = audit(update_mechanism(d, state, rule), *update_pair(d), jax.random.key(21), DELTA, num_runs=RUNS)
+    result = audit(update_mechanism(d, state, rule), *beside(update_pair(d), noise_std(state)), jax.random.key(21),
+                   DELTA, num_runs=RUNS)
     check("parameter_perturbation", f"full-rank, substitute, bug: {bug}", result, claim,
           expect_exceeds=bug != "none")
     if bug == "none":
@@ -343,7 +364,8 @@ def test_full_rank_parameter_perturbation_audit_off_the_diagonal(bug, monkeypatc
         honest = update_perturbation.add_frobenius_symmetric_noise
         monkeypatch.setattr(update_perturbation, "add_frobenius_symmetric_noise",
                             lambda key, matrix, std: honest(key, matrix, std / 10))
-    result = audit(update_mechanism(d, state), *off_diagonal_pair(d), jax.random.key(22), DELTA, num_runs=RUNS)
+    result = audit(update_mechanism(d, state), *beside(off_diagonal_pair(d), noise_std(state)), jax.random.key(22),
+                   DELTA, num_runs=RUNS)
     check("parameter_perturbation", f"full-rank off-diagonal, bug: {bug}", result, claim,
           expect_exceeds=bug != "none")
 
@@ -353,8 +375,8 @@ def test_full_rank_parameter_perturbation_audit_off_the_diagonal(bug, monkeypatc
 def test_local_averaging_audit(bug):
     """Local averaging with 3 shards: the planted row moves one shard's clipped change by 2C."""
     d, state, claim = update_setup("local_averaging", 3, noise_multiplier=UPDATE_SIGMA, rows=6)
-    mechanism = update_mechanism(d, state, noise_scale=0.1 if bug == "noise / 10" else 1.0)
-    result = audit(mechanism, *update_pair(d), jax.random.key(30), DELTA, num_runs=RUNS)
+    pair = beside(update_pair(d), noise_std(state, 0.1 if bug == "noise / 10" else 1.0))
+    result = audit(update_mechanism(d, state), *pair, jax.random.key(30), DELTA, num_runs=RUNS)
     check("local_averaging", f"substitute, bug: {bug}", result, claim, expect_exceeds=bug != "none")
 
 
@@ -365,7 +387,8 @@ def test_virtual_clients_audit(bug):
     noise; the planted row moves one virtual client's clipped change by 2C."""
     d, state, claim = update_setup("virtual_clients", 3, noise_multiplier=UPDATE_SIGMA, rows=6)
     rule = dataclasses.replace(d.rule, clip=None) if bug == "clip skipped" else None
-    result = audit(update_mechanism(d, state, rule), *update_pair(d), jax.random.key(40), DELTA, num_runs=RUNS)
+    result = audit(update_mechanism(d, state, rule), *beside(update_pair(d), noise_std(state)), jax.random.key(40),
+                   DELTA, num_runs=RUNS)
     check("virtual_clients", f"substitute, bug: {bug}", result, claim, expect_exceeds=bug != "none")
 
 
@@ -437,16 +460,17 @@ def test_virtual_clients_audit_of_the_centred_release(bug, monkeypatch):
           expect_exceeds=bug != "none")
 
 
-def aggregate_mechanism(d, state, noise_scale=1.0, broken=None):
+def aggregate_mechanism(d, state, broken=None):
     """One trusted-aggregator round through the engine (``trusted_aggregator_round``) from the public
-    ``PUBLIC_Q``: the observed output is the aggregate's change of ``q``. ``broken``: clients whose
-    every shard change is non-finite (a drop-out: the engine zeroes it, the share is still added)."""
+    ``PUBLIC_Q``, on ``(arrays, every client's noise std)`` (:func:`beside`): the observed output is the
+    aggregate's change of ``q``. ``broken``: clients whose every shard change is non-finite (a drop-out: the
+    engine zeroes it, the share is still added)."""
     m = d.num_clients
-    cs = dict(state.client_state, noise_std=state.client_state["noise_std"] * noise_scale)
-    start = state._replace(q=PUBLIC_Q, client_state=cs)
     participating = jnp.ones(m, bool)
 
-    def mechanism(key, arrays):
+    def mechanism(key, data):
+        arrays, std = data
+        start = state._replace(q=PUBLIC_Q, client_state=dict(state.client_state, noise_std=std))
         if broken is not None:  # NaN rows give a NaN shard change, which the engine zeroes before clipping
             arrays = (arrays[0], jnp.where(broken[:, None, None], jnp.nan, arrays[1]))
         new, _ = trusted_aggregator_round(d.rule, 1.0, start, arrays, d.mask, d.sizes, key, participating)
@@ -468,8 +492,9 @@ def test_trusted_aggregator_audit(bug):
     the shares by M instead of sqrt(M) (total noise half the accounted one at M = 4)."""
     m = 4
     d, state, claim = update_setup("local_averaging", 1, noise_multiplier=UPDATE_SIGMA, num_clients=m, trusted_aggregator=True)
-    mechanism = aggregate_mechanism(d, state, noise_scale=1.0 / np.sqrt(m) if bug != "none" else 1.0)
-    result = audit(mechanism, *aggregate_pair(d), jax.random.key(50), DELTA, num_runs=RUNS)
+    std = state.client_state["noise_std"] * (1.0 / np.sqrt(m) if bug != "none" else 1.0)
+    result = audit(aggregate_mechanism(d, state), *beside(aggregate_pair(d), std), jax.random.key(50), DELTA,
+                   num_runs=RUNS)
     check("trusted_aggregator", f"substitute, bug: {bug}", result, claim, expect_exceeds=bug != "none")
 
 
@@ -493,10 +518,11 @@ def test_trusted_aggregator_audit_unequal_shard_counts(bug):
     the old rule, every client adding sigma C / sqrt(M) whatever its weight (aggregate noise 0.73x what
     client 0 needs). 4 x 10^4 runs: the bug's expected bound exceeds the claim by ~0.3 nat only."""
     d, state, claim = unequal_shards_setup()
+    std = state.client_state["noise_std"]
     if bug != "none":  # the engine's share is noise_std * s_max / s_m; this makes every share sigma C / sqrt(M)
-        cs = dict(state.client_state, noise_std=state.client_state["noise_std"] * jnp.array([1.0, 0.25]))
-        state = state._replace(client_state=cs)
-    result = audit(aggregate_mechanism(d, state), *aggregate_pair(d), jax.random.key(51), DELTA, num_runs=4 * RUNS)
+        std = std * jnp.array([1.0, 0.25])
+    result = audit(aggregate_mechanism(d, state), *beside(aggregate_pair(d), std), jax.random.key(51), DELTA,
+                   num_runs=4 * RUNS)
     check("trusted_aggregator", f"unequal shard counts (1, 4), bug: {bug}", result, claim,
           expect_exceeds=bug != "none")
 
@@ -508,7 +534,8 @@ def test_trusted_aggregator_audit_with_a_drop_out():
     d, state, claim = update_setup("local_averaging", 1, noise_multiplier=UPDATE_SIGMA, num_clients=3,
                                    trusted_aggregator=True)
     mechanism = aggregate_mechanism(d, state, broken=jnp.array([False, False, True]))
-    result = audit(mechanism, *aggregate_pair(d), jax.random.key(52), DELTA, num_runs=RUNS)
+    pair = beside(aggregate_pair(d), state.client_state["noise_std"])
+    result = audit(mechanism, *pair, jax.random.key(52), DELTA, num_runs=RUNS)
     check("trusted_aggregator", "substitute, one client drops out", result, claim, expect_exceeds=False)
 
 
@@ -531,16 +558,17 @@ def test_client_level_audit(bug):
     or removed (deactivated), through ``server.client_level`` with the plan's noise std."""
     d, state, claim = client_level_setup()
     clip = 1e6 if bug == "clip skipped" else d.privacy.clip
-    noise_std = d.plan.noise_std(0)
+    std = d.plan.noise_std(0)
     limits = jnp.full(3, 10, jnp.int32)
 
-    def mechanism(key, active):
+    def mechanism(key, data):  # the clip an input (beside): the planted bug runs the honest audit's program
+        active, clip_norm = data
         new, _ = server.client_level(d.rule, 1.0, state._replace(active=active), d.data, d.mask, d.sizes, key,
-                                     limits, clip, noise_std, d.client_rate)
+                                     limits, clip_norm, std, d.client_rate)
         return flat(factors.divide(new.q, state.q))
 
-    result = audit(mechanism, jnp.ones(3, bool), jnp.array([False, True, True]), jax.random.key(60), DELTA,
-                   num_runs=RUNS)
+    pair = beside((jnp.ones(3, bool), jnp.array([False, True, True])), jnp.float32(clip))
+    result = audit(mechanism, *pair, jax.random.key(60), DELTA, num_runs=RUNS)
     check("client_level", f"add/remove client, bug: {bug}", result, claim, expect_exceeds=bug != "none")
 
 
