@@ -7,6 +7,8 @@ close to diagonal plus rank one.
 
 from __future__ import annotations
 
+import functools
+
 import jax
 import jax.numpy as jnp
 import numpy as np
@@ -121,8 +123,14 @@ def test_rank_one_gets_the_correlated_sds(schedule, sd_tolerance):
     q_sd = np.sqrt(np.diag(np.linalg.inv(np.asarray(precision, np.float64))))
     assert np.all(np.abs(q_sd / sd - 1.0) < sd_tolerance), q_sd / sd
     assert np.all(np.abs(np.asarray(loc) - mean) / sd < 0.02), (np.asarray(loc) - mean) / sd
-    mean_field = dppvi.fit_dppvi(linear, clients, rounds=20, rng_key=jax.random.key(1))
-    assert np.all(mean_field.posterior["w"]["scale"] < 0.6 * sd)  # the gap rank one closes
+    assert np.all(mean_field_scale() < 0.6 * sd)  # the gap rank one closes
+
+
+@functools.lru_cache  # the same fit for both schedules above: computed once
+def mean_field_scale():
+    """The sds of the default (mean-field) fit of :func:`test_rank_one_gets_the_correlated_sds`'s clients."""
+    clients = split(correlated_data(), num_clients=4)
+    return np.asarray(dppvi.fit_dppvi(linear, clients, rounds=20, rng_key=jax.random.key(1)).posterior["w"]["scale"])
 
 
 def test_low_rank_save_load_and_draws(tmp_path):

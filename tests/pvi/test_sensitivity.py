@@ -13,6 +13,7 @@ one added record moved the local-averaging release by 5C.
 """
 
 import collections
+import functools
 
 import jax
 import jax.numpy as jnp
@@ -99,24 +100,31 @@ def test_dp_optimisation_step_sum(family, optimizer, relation):
     of a mean-field ``q`` the variational gradient, its log-scale block scaled (``objectives.per_example_scaled_grads``,
     a tree like the parameters). Full-rank: draws of a correlated ``q``; low-rank: draws from ``D + r`` normals."""
     client = client_data(40)
+    d, released = step_sum_release(family, optimizer)
+    assert d.rule.pair_release == (optimizer == "newton" or family != "mean_field")
+    base = released(client)
+    bound = sensitivity(CLIP, relation_of(relation), "sum_of_records")
+    worst = max(distance(released(other), base) for other in neighbours(client, relation, np.random.default_rng(0)))
+    assert worst <= bound * SLACK
+    assert worst > 0.5 * bound  # the extreme records do saturate the clip
+
+
+@functools.lru_cache  # the relations share the driver and its compiled release (one program per data size)
+def step_sum_release(family, optimizer):
+    """The driver of :func:`test_dp_optimisation_step_sum` and its compiled noise-free release ``sum_i clip(Gamma_i)``
+    of a batch holding every record, at fixed parameters and draws."""
     d = dppvi.DPPVI(logistic, method="dp_optimisation", batch_size=5, rounds=1, num_samples=3,
                     privacy=Privacy(noise_multiplier=1.0, clip=CLIP), family=family,
                     **({"rank": 1} if family == "low_rank" else {}),
                     **({"optimizer": optax.adam(1e-2)} if optimizer == "optax" else {}))
-    d.init(jax.random.key(0), [client, client_data(40, 1)])
-    assert d.rule.pair_release == (optimizer == "newton" or family != "mean_field")
+    d.init(jax.random.key(0), [client_data(40), client_data(40, 1)])
     params = {"loc": jnp.array([0.3, -0.2]), "log_scale": jnp.array([-1.0, -0.5])}
     if family == "full_rank":
         params = factors.to_params(factors.Gaussian(jnp.array([0.6, -0.9]), jnp.array([[-4.0, 1.5], [1.5, -3.0]])))
     if family == "low_rank":
         params = factors.to_params(LOW_RANK_Q)
     eps = objectives.antithetic_pairs(jax.random.key(1), d.rule.pairs, 3 if family == "low_rank" else 2)
-    released = jax.jit(lambda arrays: d.rule.clipped_sum(params, eps, arrays, jnp.ones(arrays[0].shape[0], bool)))
-    base = released(client)
-    bound = sensitivity(CLIP, relation_of(relation), "sum_of_records")
-    worst = max(distance(released(other), base) for other in neighbours(client, relation, np.random.default_rng(0)))
-    assert worst <= bound * SLACK
-    assert worst > 0.5 * bound  # the extreme records do saturate the clip
+    return d, jax.jit(lambda arrays: d.rule.clipped_sum(params, eps, arrays, jnp.ones(arrays[0].shape[0], bool)))
 
 
 # --------------------------------------------------------------------------- shard releases
@@ -176,25 +184,10 @@ def test_shard_release_over_two_rounds(case, family, relation):
     (:func:`~numpyro_dppvi.pvi.low_rank.change_coordinates`), round 2 from a correlated rank-1 ``q``."""
     method, shards = SHARD_CASES[case]
     client = client_data(20)
-    d, key_data, _ = shard_driver(method, shards, [client], relation=relation, family=family)
-    q0 = factors.as_family(d.adapter.prior, family, factors.initial_basis(2, 1))
-    q1 = factors.Gaussian(jnp.array([0.4, -0.3]), jnp.array([-1.5, -2.0]))
-    if family == "full_rank":
-        q1 = factors.Gaussian(q1.eta1, jnp.array([[-1.5, 0.4], [0.4, -2.0]]))
-    if family == "low_rank":
-        q1 = LOW_RANK_Q
+    d, key_data, two_rounds = two_rounds_release(case, family, relation_of(relation))
     kind = d.plan.sensitivity_kind
     bound = sensitivity(CLIP, relation_of(relation), kind)
     assert kind == ("sum_of_records" if shards == ROWS else "shard_update")
-
-    @jax.jit
-    def two_rounds(arrays, mask, cs):
-        arrays, mask, cs = jax.tree.map(lambda a: a[0], (arrays, mask, cs))
-        first, tentative = d.rule.contribution(q0, q0, arrays, mask, jax.random.key(5), cs)
-        cs = d.rule.commit(cs, tentative, jnp.array(True))
-        second, _ = d.rule.contribution(q1, q1, arrays, mask, jax.random.key(6), cs)
-        return first, second
-
     run = lambda data: two_rounds(*shard_inputs(d, key_data, [data], 21, 21))
     base = run(client)
     worst = 0.0
@@ -205,6 +198,32 @@ def test_shard_release_over_two_rounds(case, family, relation):
             assert change <= bound * SLACK, (case, relation, r, change / CLIP)
             worst = max(worst, change)
     assert worst > 0.5 * CLIP
+
+
+@functools.lru_cache  # add and remove (one neighbouring relation) share the driver and its compiled rounds
+def two_rounds_release(case, family, neighbouring):
+    """The driver of :func:`test_shard_release_over_two_rounds` and its compiled pair of noise-free releases (round
+    1 from the prior, round 2 from a common public ``q`` after committing round 1's private state), for inputs
+    padded by :func:`shard_inputs` to ``[1, 21, 21]``: one program for ``D`` and every neighbour."""
+    method, shards = SHARD_CASES[case]
+    relation = {"add_remove": "add", "substitute": "replace"}[neighbouring]
+    d, key_data, _ = shard_driver(method, shards, [client_data(20)], relation=relation, family=family)
+    q0 = factors.as_family(d.adapter.prior, family, factors.initial_basis(2, 1))
+    q1 = factors.Gaussian(jnp.array([0.4, -0.3]), jnp.array([-1.5, -2.0]))
+    if family == "full_rank":
+        q1 = factors.Gaussian(q1.eta1, jnp.array([[-1.5, 0.4], [0.4, -2.0]]))
+    if family == "low_rank":
+        q1 = LOW_RANK_Q
+
+    @jax.jit
+    def two_rounds(arrays, mask, cs):
+        arrays, mask, cs = jax.tree.map(lambda a: a[0], (arrays, mask, cs))
+        first, tentative = d.rule.contribution(q0, q0, arrays, mask, jax.random.key(5), cs)
+        cs = d.rule.commit(cs, tentative, jnp.array(True))
+        second, _ = d.rule.contribution(q1, q1, arrays, mask, jax.random.key(6), cs)
+        return first, second
+
+    return d, key_data, two_rounds
 
 
 @pytest.mark.parametrize("relation", RELATIONS)
@@ -240,23 +259,9 @@ def test_trusted_aggregate(method, family, relation):
     """The aggregate the server sees, noise-free: client 0 (3 hashed shards: local averaging enters
     with weight 1/3, the other client's 2 shards with 1/2) changes by one record. Bound: weight x 2C."""
     clients = [client_data(20), client_data(16, 1)]
-    d = dppvi.DPPVI(logistic, method=method, shards=lambda n: 3 if n != 16 else 2, trusted_aggregator=True,
-                    schedule="synchronous", privacy=Privacy(noise_multiplier=1.0, clip=CLIP,
-                                                            neighbouring=relation_of(relation)), local_steps=3,
-                    num_samples=2, rounds=1, family=family,
-                    optimizer=Newton() if family == "full_rank" else optax.adam(5e-2))
-    key_data = keys.key_data(jax.random.key(3))
-    state = d._init(key_data, "user_key", clients)
+    d, key_data, aggregate = trusted_aggregate_release(method, family, relation_of(relation))
     weight = 1.0 / 3 if method == "local_averaging" else 1.0
     bound = weight * sensitivity(CLIP, relation_of(relation), "shard_update")
-
-    @jax.jit
-    def aggregate(arrays, mask, cs):
-        start = state._replace(client_state=cs)
-        new, _ = trusted_aggregator_round(d.rule, 1.0, start, arrays, mask, d.sizes, jax.random.key(9),
-                                          jnp.ones(2, bool))
-        return factors.divide(new.q, start.q)
-
     run = lambda first: aggregate(*shard_inputs(d, key_data, [first, clients[1]], 3, 21))
     base = run(clients[0])
     worst = 0.0
@@ -265,6 +270,27 @@ def test_trusted_aggregate(method, family, relation):
         assert change <= bound * SLACK, (method, relation, change / CLIP)
         worst = max(worst, change)
     assert worst > 0.3 * bound
+
+
+@functools.lru_cache  # add and remove (one neighbouring relation) share the driver and its compiled round
+def trusted_aggregate_release(method, family, neighbouring):
+    """The driver of :func:`test_trusted_aggregate` and its compiled noise-free aggregate change of ``q``, for
+    inputs padded by :func:`shard_inputs` to ``[2, 3, 21]``: one program for ``D`` and every neighbour."""
+    d = dppvi.DPPVI(logistic, method=method, shards=lambda n: 3 if n != 16 else 2, trusted_aggregator=True,
+                    schedule="synchronous", privacy=Privacy(noise_multiplier=1.0, clip=CLIP, neighbouring=neighbouring),
+                    local_steps=3, num_samples=2, rounds=1, family=family,
+                    optimizer=Newton() if family == "full_rank" else optax.adam(5e-2))
+    key_data = keys.key_data(jax.random.key(3))
+    state = d._init(key_data, "user_key", [client_data(20), client_data(16, 1)])
+
+    @jax.jit
+    def aggregate(arrays, mask, cs):
+        start = state._replace(client_state=cs)
+        new, _ = trusted_aggregator_round(d.rule, 1.0, start, arrays, mask, d.sizes, jax.random.key(9),
+                                          jnp.ones(2, bool))
+        return factors.divide(new.q, start.q)
+
+    return d, key_data, aggregate
 
 
 # --------------------------------------------------------------------------- client-level DP
@@ -282,6 +308,11 @@ def client_neighbours(clients, relation, rng, count=2):
             other = list(clients)
             other[int(rng.integers(0, len(clients)))] = extreme
             yield other
+
+
+#: The noise-free client-level release on the four clients ``D`` by family, the same in every relation's test:
+#: computed by the first, read by the others.
+CLIENT_LEVEL_BASE = {}
 
 
 @pytest.mark.parametrize("relation", ["add", "remove", "replace"])
@@ -313,7 +344,9 @@ def test_client_level_aggregate(family, relation):
 
         return release(state, d.data, d.mask, d.sizes, limits)
 
-    base = aggregate(clients)
+    if family not in CLIENT_LEVEL_BASE:
+        CLIENT_LEVEL_BASE[family] = aggregate(clients)
+    base = CLIENT_LEVEL_BASE[family]
     bound = sensitivity(CLIP, relation_of(relation), "sum_of_records")
     worst = 0.0
     for other in client_neighbours(clients, relation, rng):
@@ -350,7 +383,9 @@ def test_client_level_low_rank_release(relation):
 
         return release(LOW_RANK_Q, d.data, d.mask, d.sizes)
 
-    base = released(clients)
+    if "low_rank" not in CLIENT_LEVEL_BASE:
+        CLIENT_LEVEL_BASE["low_rank"] = released(clients)
+    base = CLIENT_LEVEL_BASE["low_rank"]
     bound = sensitivity(CLIP, relation_of(relation), "sum_of_records")
     worst = 0.0
     for other in client_neighbours(clients, relation, rng):

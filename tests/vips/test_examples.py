@@ -51,10 +51,14 @@ def adult():
 
 @pytest.mark.slow
 def test_adult_non_private_auc(adult):
+    """Non-private full-batch PG-VB (exact VB iterations from the prior; no draw, so no seed dependence: keys 0-2
+    gave the same AUC) reaches the paper's AUC. 5 iterations, not the example's 20: the iterations converge fast,
+    test AUC 0.9052 / 0.9061 / 0.9067 / 0.9071 / 0.9071 after 2 / 3 / 5 / 10 / 20 (measured), so 5 keeps the
+    margin over 0.89 (0.017 at 20) within 0.0004 for a quarter of the runtime."""
     example, (x, y, x_test, y_test) = adult
-    result = example.fit_vips_logistic(x, y, None, 0, iterations=20)
+    result = example.fit_vips_logistic(x, y, None, 0, iterations=5)
     metrics = example.evaluate(example.vips_scores(result, x_test), y_test)
-    assert metrics["auc"] >= 0.89  # measured 0.907
+    assert metrics["auc"] >= 0.89  # measured 0.9067 (0.9071 at the example's 20 iterations)
 
 
 @pytest.fixture(scope="module")
