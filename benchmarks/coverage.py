@@ -40,7 +40,7 @@ judged at about two standard errors.
 
 ``--clipping default "clip 1" "clip 3" "adaptive 0.95" "adaptive 0.99"`` adds rows for DP optimisation and
 global DP-VI with other clippings: a fixed clip (the former default 1, or 3), or Andrew et al.'s private quantile
-estimate at other quantiles, against the default (``adaptive_clip="auto"``: the 0.98 quantile, its noisy count
+estimate at other quantiles, against the default (``adaptive_clip="auto"``: the 0.999 quantile, its noisy count
 released and accounted): the bias that clipping puts in the posterior against the noise a larger clip brings.
 
 Run from a checkout: ``python benchmarks/coverage.py`` (``--datasets 50``; ``--cells dp_optimisation``
