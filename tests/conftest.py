@@ -5,6 +5,8 @@ os.environ.setdefault("JAX_PLATFORMS", "cpu")
 
 #: XLA's CPU flag that the suite compiles with (``_faster_compiles``), and the jaxlib from which it was measured.
 FUSION_EMITTERS_OFF = "--xla_cpu_use_fusion_emitters=false"
+#: XLA's backend optimisation level for the suite's programs (``_faster_compiles``): 1 of XLA:CPU's 0-3 (default 2).
+BACKEND_OPTIMISATION = "--xla_backend_optimization_level=1"
 MEASURED_FROM_JAXLIB = (0, 10)
 
 
@@ -17,15 +19,22 @@ def _faster_compiles() -> None:
     the runtime-bound ``test_adult.py`` in 161 s against 170 s. The steady state of a compiled fit is about 40%
     slower, which the suite barely feels. Results agree to float32 rounding (the same fit's posterior means
     equal to 5-7 significant digits); the package itself, its benchmarks and ``make demo`` keep XLA's defaults.
-    Set only with a jaxlib where it was measured (older ones may not know the flag, and XLA refuses an unknown
-    flag), and never over a choice already in ``XLA_FLAGS``."""
+    The backend's optimisation level 1 (LLVM's code generation at -O1 instead of -O2) compiles faster again at the
+    cost of a slower steady state: the fresh-clone suite took 1,317 s at level 2 (stop 67, 2 workers); see
+    ``README.md`` for its time at level 1. Set only with a jaxlib where it was measured (older ones may not know
+    the flags, and XLA refuses an unknown flag), and never over a choice already in ``XLA_FLAGS``."""
     flags = os.environ.get("XLA_FLAGS", "")
     try:
         release = tuple(int(part) for part in version("jaxlib").split(".")[:2])
     except (PackageNotFoundError, ValueError):
         return
-    if release >= MEASURED_FROM_JAXLIB and "xla_cpu_use_fusion_emitters" not in flags:
-        os.environ["XLA_FLAGS"] = f"{flags} {FUSION_EMITTERS_OFF}".strip()
+    if release < MEASURED_FROM_JAXLIB:
+        return
+    if "xla_cpu_use_fusion_emitters" not in flags:
+        flags = f"{flags} {FUSION_EMITTERS_OFF}"
+    if "xla_backend_optimization_level" not in flags:
+        flags = f"{flags} {BACKEND_OPTIMISATION}"
+    os.environ["XLA_FLAGS"] = flags.strip()
 
 
 _faster_compiles()
