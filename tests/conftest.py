@@ -3,7 +3,7 @@ from importlib.metadata import PackageNotFoundError, version
 
 os.environ.setdefault("JAX_PLATFORMS", "cpu")
 
-#: XLA's CPU flag that the suite compiles with (``_faster_compiles``), and the jaxlib from which it was measured.
+#: The XLA flags that the suite compiles with (``_faster_compiles``), and the jaxlib from which they were measured.
 FUSION_EMITTERS_OFF = "--xla_cpu_use_fusion_emitters=false"
 #: XLA's backend optimisation level for the suite's programs (``_faster_compiles``): 1 of XLA:CPU's 0-3 (default 2).
 BACKEND_OPTIMISATION = "--xla_backend_optimization_level=1"
@@ -21,8 +21,9 @@ def _faster_compiles() -> None:
     equal to 5-7 significant digits); the package itself, its benchmarks and ``make demo`` keep XLA's defaults.
     The backend's optimisation level 1 (LLVM's code generation at -O1 instead of -O2) compiles faster again at the
     cost of a slower steady state: the fresh-clone suite (2 workers, 1222 tests, all passing at both) took 1,317 s
-    at level 2 and 1,145 s at level 1; the runtime-bound virtual-clients Adult test took 97 s against 60 s. Set only with a jaxlib where it was measured (older ones may not know
-    the flags, and XLA refuses an unknown flag), and never over a choice already in ``XLA_FLAGS``."""
+    at level 2 and 1,145 s at level 1; the runtime-bound virtual-clients Adult test took 97 s against 60 s. Set
+    only with a jaxlib where they were measured (older ones may not know the flags, and XLA refuses an unknown
+    flag), and never over a choice already in ``XLA_FLAGS``."""
     flags = os.environ.get("XLA_FLAGS", "")
     try:
         release = tuple(int(part) for part in version("jaxlib").split(".")[:2])
