@@ -231,6 +231,14 @@ class NonPrivateFullRank:
     Give minibatch fits more ``local_steps`` (several sweeps per round)."""
 
     family = "full_rank"  # a class attribute, not a field: the initial state's factors are [D, D]
+    #: The cavity ``q / t_m`` may be improper: it enters the local objective only through ``E_q[log cavity]`` and
+    #: the Newton target ``Lambda_c - E_q[grad^2 f]`` (module docstring, (*)), both defined for any symmetric
+    #: ``Lambda_c``, and the step keeps ``q`` positive definite; the server still requires every new ``q`` to be
+    #: proper. A non-Gaussian likelihood makes a client's factor indefinite where the other clients' data reshape
+    #: the posterior (a hierarchical scale: measured on the zoo's non-centred Poisson regression, factors with
+    #: eigenvalues down to -15 after round 1 and the next client's cavity improper), and requiring a proper
+    #: cavity made 1 of 1 such fit raise ``FitDiverged`` in round 2.
+    uses_client_cavity = False
 
     log_lik_rows: Callable
     dim: int

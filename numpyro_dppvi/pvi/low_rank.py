@@ -244,6 +244,9 @@ class NonPrivateLowRank(NonPrivateFullRank):
     interface as :class:`~numpyro_dppvi.pvi.local.NonPrivate`; ``rank`` is the family's ``r``."""
 
     family = "low_rank"
+    #: The server requires a proper cavity here (:func:`answer` projects the change against it); measured for the
+    #: full-rank step only (:attr:`~.full_rank.NonPrivateFullRank.uses_client_cavity`).
+    uses_client_cavity = True
     rank: int = 1
 
     def update(self, q, cavity, arrays, mask, n, key, client_state):
