@@ -181,7 +181,7 @@ def test_slow_fit_warns_and_converged_fit_does_not(tmp_path):
     clients = linear_clients()
     with pytest.warns(diagnostics.ConvergenceWarning, match="more rounds.*family='full_rank'") as rec:
         slow = dppvi.fit_dppvi(linear, clients, schedule="synchronous", rounds=20, damping=0.05, local_steps=100,
-                               rng_key=jax.random.key(0))
+                               family="mean_field", rng_key=jax.random.key(0))
     assert_points_here(rec, diagnostics.ConvergenceWarning)
     assert slow.convergence["converged"] is False and slow.convergence["distance"] > 1.0
     assert all(h["change"] >= 0 for h in slow.history)

@@ -87,7 +87,8 @@ def test_a_result_describes_itself_and_evaluates_the_fits_eval_data_form(fitted)
     they are); ``converged`` is ``convergence["converged"]``; ``evaluate`` takes ``(x, y)`` as ``eval_data=`` does."""
     result, (x, y) = fitted
     text = repr(result)
-    assert text == (f"DPPVIResult(method='pvi', family='mean_field', rounds=3, converged={result.converged}, "
+    # a 3-latent model: full-rank, the non-private default up to NEWTON_MAX_DIM latents
+    assert text == (f"DPPVIResult(method='pvi', family='full_rank', rounds=3, converged={result.converged}, "
                     "private=False, calibrated=None)")
     assert result.converged is result.convergence["converged"]
     key = jax.random.key(0)

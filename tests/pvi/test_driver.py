@@ -81,9 +81,10 @@ def test_same_key_is_bit_identical():
 
 def test_invalid_round_raises_and_keeps_state():
     clients, _ = gaussian_clients()
-    driver = dppvi.DPPVI(scale_model, schedule="synchronous", local_steps=5)
+    driver = dppvi.DPPVI(scale_model, schedule="synchronous", local_steps=5, family="mean_field")
     state = driver.init(jax.random.key(0), clients)
-    # a client factor more precise than q makes that client's cavity improper
+    # a client factor more precise than q makes that client's cavity improper, which the mean-field step refuses
+    # (the full-rank step takes an improper cavity: NonPrivateFullRank.uses_client_cavity)
     state = state._replace(factors=factors.Gaussian(state.factors.eta1, state.factors.eta2.at[0].set(-50.0)))
     with pytest.raises(FloatingPointError, match="previous state is kept"):
         driver.round(state)

@@ -118,7 +118,7 @@ def test_full_rank_matches_nuts_where_mean_field_understates_the_sds():
     low, high = sd_ratios(flat_sd(full), reference)
     assert 0.9 <= low and high <= 1.1, (low, high)
     assert gap(flat_loc(full), reference) < 0.2
-    mean_field = dppvi.fit_dppvi(logistic_correlated, clients, rng_key=jax.random.key(0))
+    mean_field = dppvi.fit_dppvi(logistic_correlated, clients, family="mean_field", rng_key=jax.random.key(0))
     assert sd_ratios(flat_sd(mean_field), reference)[0] < 0.6
 
 
@@ -166,7 +166,16 @@ def test_full_rank_resumes_and_refuses_another_family(tmp_path):
     resumed = dppvi.fit_dppvi(linear, clients, family="full_rank", rounds=4, resume=path)
     np.testing.assert_allclose(resumed.q.eta2, whole.q.eta2, rtol=1e-6, atol=1e-6)
     with pytest.raises(ValueError, match="family"):
-        dppvi.fit_dppvi(linear, clients, rounds=4, resume=path)
+        dppvi.fit_dppvi(linear, clients, family="mean_field", rounds=4, resume=path)
+    # a family left out is the checkpoint's: full-rank here (the default up to NEWTON_MAX_DIM latents), and
+    # mean-field for a checkpoint of a mean-field fit (the default before issue 59)
+    left_out = dppvi.fit_dppvi(linear, clients, rounds=4, resume=path)
+    np.testing.assert_allclose(left_out.q.eta2, whole.q.eta2, rtol=1e-6, atol=1e-6)
+    mean_field_path = tmp_path / "mean_field.ckpt"
+    dppvi.fit_dppvi(linear, clients, family="mean_field", rounds=2, rng_key=jax.random.key(0),
+                    checkpoint=mean_field_path)
+    resumed_mean_field = dppvi.fit_dppvi(linear, clients, rounds=4, resume=mean_field_path)
+    assert resumed_mean_field.config["family"] == "mean_field" and resumed_mean_field.q.eta2.ndim == 1
 
 
 def test_full_rank_errors_name_the_fix():

@@ -60,11 +60,12 @@ def test_client_with_non_finite_update_is_dropped_and_reported(schedule):
 
 
 def test_divergence_raises_with_the_last_valid_result(tmp_path):
-    """A state whose client cavity is improper (a factor more precise than q) cannot be continued."""
+    """A state whose client cavity is improper (a factor more precise than q) cannot be continued by the mean-field
+    step (the full-rank step takes an improper cavity: ``NonPrivateFullRank.uses_client_cavity``)."""
     from numpyro_dppvi.factors import Gaussian
 
     data = clients()
-    driver = dppvi.DPPVI(linreg, schedule="synchronous", local_steps=5)
+    driver = dppvi.DPPVI(linreg, schedule="synchronous", local_steps=5, family="mean_field")  # full-rank: see below
     state = driver.init(jax.random.key(0), data)
     bad = Gaussian(state.factors.eta1, state.factors.eta2.at[0].set(-10.0))
     state = state._replace(factors=bad)
