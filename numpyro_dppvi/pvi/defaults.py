@@ -106,9 +106,6 @@ def virtual_clip(noise_multiplier: float, shards) -> float:
     return float(min(VIRTUAL_CLIP_MAX, VIRTUAL_NOISE_PER_RECORD * sum(shards) / len(shards) / noise_multiplier))
 
 
-#: Share of all client updates that may fail (non-finite, dropped) before a fit warns even when none
-#: failed in its last rounds.
-FAILED_UPDATES_TOLERATED = 0.05
 DEFAULT_ROUNDS = 10
 
 

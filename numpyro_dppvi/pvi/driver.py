@@ -39,7 +39,7 @@ from ..results import DPPVIResult
 from . import noise_aware, release_noise
 from . import plan as plan_module
 from . import resume as resume_module
-from .defaults import (DEFAULT_LOCAL_STEPS, DEFAULT_OPTIMIZER, DEFAULT_ROUNDS, FAILED_UPDATES_TOLERATED,
+from .defaults import (DEFAULT_LOCAL_STEPS, DEFAULT_OPTIMIZER, DEFAULT_ROUNDS,
                        METHOD_DEFAULTS, METHODS, NEWTON_MAX_DIM, PRIVATE_NEWTON_DEFAULTS,
                        MIN_ROUNDS, PRIVACY_UNITS, UPDATE_METHODS, VIRTUAL_FULL_RANK_DEFAULTS, default_schedule,
                        did_you_mean, shards_of_batch, virtual_clip)
@@ -49,6 +49,19 @@ from .privacy_plan import check_subsampled
 from .server import SCHEDULES, PVIState
 from .shards import ROWS, make_shards, shard_counts
 from .update_perturbation import INVALID_RULES
+
+
+def unrecovered_clients(history: list) -> list[int]:
+    """The clients whose last update in ``history`` (the public history's ``participated`` and ``failed``) failed."""
+    last: dict[int, bool] = {}
+    for entry in history:
+        part = entry.get("participated")
+        if part is None:
+            continue
+        failed = set(entry.get("failed", []))
+        for m in np.flatnonzero(np.asarray(part) > 0):
+            last[int(m)] = int(m) in failed
+    return sorted(m for m, failed in last.items() if failed)
 
 
 class NoValidUpdates(FloatingPointError):
@@ -933,7 +946,10 @@ class DPPVI:
         failed_rounds = [entry for entry in history if entry.get("failed")]
         recent = self.convergence["failed_updates"] if self.convergence else 0
         total = sum(len(entry["failed"]) for entry in failed_rounds)
-        if total and (recent or total > FAILED_UPDATES_TOLERATED * int(taken.sum())):
+        # a client whose update failed and that updated validly since has its data in q again (its factor is
+        # refitted from the cavity it then saw; PVI's fixed point does not depend on the rounds before): only
+        # failures in the last rounds, or not yet made good, leave q without a client's data
+        if total and (recent or unrecovered_clients(history)):
             sites = [s.name for s in self.adapter.sites
                      if any(s.name in entry.get("failed_sites", []) for entry in failed_rounds)]
             where = f" (not finite on site(s) {', '.join(repr(n) for n in sites)})" if sites else ""
