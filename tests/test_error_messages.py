@@ -42,7 +42,7 @@ def test_divergence_advice_names_the_callers_own_options(caller, function):
     each entry point's advice names options it takes (a state whose cavity is improper cannot continue)."""
     from numpyro_dppvi.factors import Gaussian
 
-    driver = dppvi.DPPVI(logistic, local_steps=2)
+    driver = dppvi.DPPVI(logistic, local_steps=2, family="mean_field")  # whose step needs a proper cavity
     driver.caller = caller
     state = driver.init(jax.random.key(0), clients())
     state = state._replace(factors=Gaussian(state.factors.eta1, state.factors.eta2.at[0].set(-50.0)))

@@ -47,10 +47,16 @@ def shrunk(factor):
     return fit
 
 
+#: The fits these tests' statistics were measured on (mean-field, non-private PVI's default for every model before
+#: issue 59): the shrunk fit's smallest rank-uniformity p-value is 0.0004 with them and 0.012 with full-rank fits of
+#: the same data sets, a KS test's power at 24 data sets being that of its worst-fitted site.
+MEAN_FIELD = {"family": "mean_field"}
+
+
 @pytest.fixture(scope="module")
 def calibrated_report():
     """Non-private PVI on a model whose posterior is close to Gaussian in the unconstrained space: calibrated."""
-    return dppvi.calibration_check(linear, covariates(), {}, num_datasets=24, rng_key=jax.random.key(0))
+    return dppvi.calibration_check(linear, covariates(), MEAN_FIELD, num_datasets=24, rng_key=jax.random.key(0))
 
 
 def test_simulated_clients_follow_the_model():
@@ -87,7 +93,7 @@ def test_a_calibrated_fit_is_called_calibrated(calibrated_report):
 
 def test_the_check_catches_a_posterior_shrunk_by_a_known_factor(calibrated_report):
     """sds halved: the truth's z is twice a calibrated one's, so 90% intervals cover P(|N(0,1)| < 0.82) = 0.59."""
-    report = dppvi.calibration_check(linear, covariates(), {}, num_datasets=24, rng_key=jax.random.key(0),
+    report = dppvi.calibration_check(linear, covariates(), MEAN_FIELD, num_datasets=24, rng_key=jax.random.key(0),
                                      fit=shrunk(0.5))
     cover, se = report.coverage(0.9)
     expected = 2 * stats.norm.cdf(stats.norm.ppf(0.95) / 2) - 1
@@ -104,10 +110,10 @@ def test_the_check_catches_a_posterior_shrunk_by_a_known_factor(calibrated_repor
 def test_the_recalibrated_posterior_covers_on_new_data_sets():
     """Widening found on one check's data sets (key 0), applied to fits of other data sets (key 1): the shrunk
     posterior's 90% intervals cover again (bars at three standard errors, the module docstring)."""
-    found = dppvi.calibration_check(linear, covariates(), {}, num_datasets=24, rng_key=jax.random.key(0),
+    found = dppvi.calibration_check(linear, covariates(), MEAN_FIELD, num_datasets=24, rng_key=jax.random.key(0),
                                     fit=shrunk(0.5))
     recalibrated = lambda clients, **options: found.recalibrate(shrunk(0.5)(clients, **options))
-    held_out = dppvi.calibration_check(linear, covariates(), {}, num_datasets=24, rng_key=jax.random.key(1),
+    held_out = dppvi.calibration_check(linear, covariates(), MEAN_FIELD, num_datasets=24, rng_key=jax.random.key(1),
                                        fit=recalibrated)
     for level, (low, high) in dppvi.simulation_calibration.BARS.items():
         cover, se = held_out.coverage(level)

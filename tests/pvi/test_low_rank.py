@@ -128,9 +128,10 @@ def test_rank_one_gets_the_correlated_sds(schedule, sd_tolerance):
 
 @functools.lru_cache  # the same fit for both schedules above: computed once
 def mean_field_scale():
-    """The sds of the default (mean-field) fit of :func:`test_rank_one_gets_the_correlated_sds`'s clients."""
+    """The sds of the mean-field fit of :func:`test_rank_one_gets_the_correlated_sds`'s clients."""
     clients = split(correlated_data(), num_clients=4)
-    return np.asarray(dppvi.fit_dppvi(linear, clients, rounds=20, rng_key=jax.random.key(1)).posterior["w"]["scale"])
+    return np.asarray(dppvi.fit_dppvi(linear, clients, family="mean_field", rounds=20,
+                                      rng_key=jax.random.key(1)).posterior["w"]["scale"])
 
 
 def test_low_rank_save_load_and_draws(tmp_path):
