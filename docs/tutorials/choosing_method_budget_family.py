@@ -61,9 +61,8 @@ print("covariate correlations:\n", np.round(np.corrcoef(x.T), 2))
 #
 # A mean-field `q` has independent coordinates (the default of DP optimisation, and of non-private PVI and
 # private virtual clients above 32 latents; below, those two take full-rank factors). With correlated covariates
-# the posterior of the
-# weights is correlated too, and mean-field VI then *under-states* each marginal sd: it fits the narrow
-# conditional widths. `family="full_rank"` keeps a full precision matrix per factor; `family="low_rank",
+# the posterior of the weights is correlated too, and mean-field VI then *under-states* each marginal sd: it fits
+# the narrow conditional widths. `family="full_rank"` keeps a full precision matrix per factor; `family="low_rank",
 # rank=r` a diagonal plus rank `r`, for models with many latents.
 
 # %%
