@@ -150,8 +150,12 @@ class DPPVI:
             :func:`~numpyro_dppvi.pvi.local.optimise`).
         family: the Gaussian family of ``q`` and of every factor:
 
-            * ``"mean_field"`` (independent coordinates, ``O(D)`` per factor) is the default. Left out, private
-              virtual clients without an ``optimizer``, each client releasing its own update (no trusted
+            * ``"mean_field"`` (independent coordinates, ``O(D)`` per factor) is the default. Left out, non-private
+              PVI (``method="pvi"`` without ``privacy``) without an ``optimizer`` takes ``"full_rank"`` with
+              :class:`~numpyro_dppvi.optim.Newton` steps once the model is traced if it has at most
+              :data:`~numpyro_dppvi.pvi.defaults.NEWTON_MAX_DIM` latent dimensions (mean-field understates
+              correlated sds and crosses their ridges slowly; docs/guide.md §3); private virtual clients without an
+              ``optimizer``, each client releasing its own update (no trusted
               aggregator, example-level privacy) with a noise-aware posterior, take ``"full_rank"`` once the
               model is traced if it has at most :data:`~numpyro_dppvi.pvi.defaults.NEWTON_MAX_DIM` latent
               dimensions, and with it damping 0.25, 20 planned rounds when ``fit_dppvi`` chose the rounds

@@ -89,8 +89,8 @@ def fit_dppvi(model, clients, *, method: str = "pvi", schedule: str | None = Non
       client_rate: client-level DP: the probability with which each client takes part in a round. Default 1.
       tail_average: the share of the last local iterates whose mean is the client's answer.
       family: the Gaussian family of ``q`` and of every factor: ``"mean_field"``, ``"full_rank"`` or
-        ``"low_rank"`` (with ``rank``); default mean-field, but full-rank for private virtual clients of up to
-        :data:`~numpyro_dppvi.pvi.defaults.NEWTON_MAX_DIM` latent dimensions (:class:`DPPVI`).
+        ``"low_rank"`` (with ``rank``); default mean-field, but full-rank for non-private PVI and private virtual
+        clients of up to :data:`~numpyro_dppvi.pvi.defaults.NEWTON_MAX_DIM` latent dimensions (:class:`DPPVI`).
       rank: the rank ``r`` of ``family="low_rank"`` (default ``round(sqrt(D))``).
       noise_aware: None (the default): wherever it is available, today private ``method="dp_optimisation"`` with
         a mean-field or full-rank ``q`` of up to :data:`~numpyro_dppvi.pvi.defaults.NEWTON_MAX_DIM` latent
