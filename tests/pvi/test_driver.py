@@ -116,3 +116,18 @@ def test_asynchronous_favours_small_clients():
 def test_driver_argument_errors(kwargs, match):
     with pytest.raises(ValueError, match=match):
         dppvi.DPPVI(scale_model, **kwargs)
+
+
+def test_only_failures_not_made_good_leave_a_client_out_of_q():
+    """A client whose update failed and that updated validly since has its data in ``q`` again (its factor is
+    refitted from the cavity it then saw); one whose last update failed does not (``ClientUpdateWarning``'s test).
+    Measured case: full-rank ordinal fits that lost rounds 1-3 to float32 underflow and then converged."""
+    from numpyro_dppvi.pvi.driver import unrecovered_clients
+
+    every = [1, 1, 1]
+    history = [{"participated": every, "failed": [0, 1, 2]}, {"participated": every, "failed": [2]},
+               {"participated": every, "failed": []}]
+    assert unrecovered_clients(history) == []
+    assert unrecovered_clients(history + [{"participated": [1, 0, 1], "failed": [2]}]) == [2]
+    assert unrecovered_clients(history + [{"participated": [0, 1, 0], "failed": [1]}]) == [1]
+    assert unrecovered_clients([{"round": 1}]) == []  # no participation recorded (client-level DP)
