@@ -73,7 +73,7 @@ def resume(driver, path, clients, rounds: int, hmac_key: bytes | None = None, rn
     if rng_key is not None and not np.array_equal(np.asarray(keys.key_data(rng_key)), np.asarray(key_data)):
         raise ValueError(f"rng_key differs from the key of the fit saved in {path}; a resumed fit continues "
                          "with its own key: drop rng_key")
-    if getattr(driver, "auto_family", False) and saved.get("family", SAVED_BEFORE["family"]) == "mean_field":
+    if driver.auto_family and saved.get("family", SAVED_BEFORE["family"]) == "mean_field":
         driver.auto_family = False  # a family left out is the one the saved fit resolved (before issue 59: mean-field)
     template = driver._init(key_data, meta.get("seed", "unspecified"), clients)
     mine = driver.settings()
