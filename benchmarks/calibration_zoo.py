@@ -104,7 +104,9 @@ def fit_record(result, z) -> dict:
             "curvature_floored": int(sum(h.get("curvature_floored", 0) for h in history)),
             "invalid_updates": int(sum(h.get("invalid_updates", 0) for h in history)),
             "noise_widening_max": rounded(np.max(widening)), "noise_widening_median": rounded(np.median(widening)),
-            "precision_rule": (result.calibration or {}).get("precision_rule")}
+            "precision_rule": (result.calibration or {}).get("precision_rule"),
+            "clip_saturation": (result.calibration or {}).get("clip_saturation"),
+            "floored_share": (result.calibration or {}).get("floored_share")}
 
 
 def run_cell(model_name: str, method: str, rows: int, epsilon, datasets: int, nuts: int, index: int) -> dict:

@@ -34,7 +34,8 @@ coordinates grouped by their sd over the reference's (``[coverage, coordinates]`
 Per cell: the share of (data set, coordinate) pairs whose 50% / 90% interval contains the truth, its
 Monte Carlo standard error (from the per-data-set shares: coordinates of one data set are not
 independent), the RMSE of the posterior mean, the mean posterior sd, how many fits raised
-``FitDiverged`` or warned, seconds. With 50 data sets of 6 coordinates the standard error of a
+``FitDiverged`` or warned, how many flagged their own intervals (``flagged``: ``result.calibrated`` False) and, for
+virtual clients, each fit's ``clip_saturation`` (``pvi.release_saturation``), seconds. With 50 data sets of 6 coordinates the standard error of a
 coverage near 0.9 is about 0.02 (0.03 near 0.5), so the issue's bars (0.85-0.95 and 0.42-0.58) are
 judged at about two standard errors.
 
@@ -191,8 +192,9 @@ def reference_fit(x, y, index: int, n: int):
     return _REFERENCES[index, n]
 
 
-def summarise(z: list, errors: list, scales: list, diverged: int, warned: int, seconds: float, count: int) -> dict:
-    out = {"datasets": count, "diverged": diverged, "warned": warned, "seconds": round(seconds, 1)}
+def summarise(z: list, errors: list, scales: list, diverged: int, warned: int, seconds: float, count: int,
+              flagged: int = 0) -> dict:
+    out = {"datasets": count, "diverged": diverged, "warned": warned, "flagged": flagged, "seconds": round(seconds, 1)}
     if not z:
         return out
     z = np.stack(z)  # [datasets, coordinates]: |loc - truth| / scale
@@ -208,7 +210,8 @@ def summarise(z: list, errors: list, scales: list, diverged: int, warned: int, s
 
 
 def run_cell(method: str, epsilon, n: int, count: int, clipping: str = "default", noise_aware=None) -> dict:
-    z, errors, scales, diverged, warned, refused = [], [], [], 0, 0, []
+    z, errors, scales, diverged, warned, flagged, refused = [], [], [], 0, 0, 0, []
+    saturation = []  # virtual clients: each fit's clip saturation (pvi.release_saturation)
     locs, references = [], []
     start = time.perf_counter()
     applied = None
@@ -225,6 +228,9 @@ def run_cell(method: str, epsilon, n: int, count: int, clipping: str = "default"
                     result = fit_logistic(method, epsilon, x, y, index, clipping, noise_aware)
                     applied = result.noise_aware
                     loc, scale = loc_and_scale(result)
+                    flagged += result.calibrated is False
+                    if (result.calibration or {}).get("clip_saturation") is not None:
+                        saturation.append(result.calibration["clip_saturation"])
         except dppvi.FitDiverged:
             diverged += 1
             continue
@@ -243,7 +249,8 @@ def run_cell(method: str, epsilon, n: int, count: int, clipping: str = "default"
     if references:  # fitted after the clock stopped
         extra = against_reference(z, locs, scales, [reference_fit(*logistic_data(i, n)[:2], i, n) for i in references])
     return dict(method=method, epsilon=epsilon, n=n, **({} if clipping == "default" else {"clipping": clipping}),
-                noise_aware=applied, **summarise(z, errors, scales, diverged, warned, seconds, count), **extra,
+                noise_aware=applied, **summarise(z, errors, scales, diverged, warned, seconds, count, flagged), **extra,
+                **({"clip_saturation": saturation} if saturation else {}),
                 **({"refused": len(refused), "refusal": refused[0][:300]} if refused else {}))
 
 

@@ -91,7 +91,9 @@ class Result:
         ``False`` from the fit itself when it cannot vouch for them (a noise-aware DP optimisation fit whose
         posterior could not use the clients' curvature estimates, :func:`numpyro_dppvi.pvi.noise_aware.calibration`,
         or a private fit whose posterior does not account for the noise,
-        :func:`numpyro_dppvi.pvi.noise_aware.not_noise_aware`: its ``convergence["converged"]`` is then False too, and a
+        :func:`numpyro_dppvi.pvi.noise_aware.not_noise_aware`, or a virtual-clients fit whose releases show that the
+        clip held its factors back or whose precision the floor rule set,
+        :func:`numpyro_dppvi.pvi.release_saturation.calibration`: its ``convergence["converged"]`` is then False too, and a
         :class:`~numpyro_dppvi.diagnostics.CalibrationWarning` says what to do); ``None`` otherwise, or for a
         posterior that a check's widening changed since (``report.recalibrate``). A fit that does not flag itself
         is not thereby calibrated: the check measures that on your model."""
@@ -242,7 +244,9 @@ class DPPVIResult(Result):
         (:func:`numpyro_dppvi.diagnostics.convergence`), or None.
       q_fitted: ``q`` as fitted, before the noise-aware step; None (the default) makes it ``q`` itself.
       calibration: private ``fit_dppvi`` and ``fit_global_vi`` fits: ``{"calibrated": None or False,
-        "precision_rule": ...}``; a check's verdict once annotated (:attr:`calibrated`). None otherwise.
+        "precision_rule": ...}`` (virtual clients: ``{"calibrated", "clip_saturation", "clip_saturation_se",
+        "floored_share", "reason"}``, :func:`numpyro_dppvi.pvi.release_saturation.calibration`); a check's verdict
+        once annotated (:attr:`calibrated`). None otherwise.
       updates: for a fit just run, per client the rounds it took part in and its valid updates (``{"taken_part":
         [...], "valid": [...]}``; None under client-level DP, and not saved).
     """

@@ -36,7 +36,7 @@ from ..privacy.noise import float32_at_least
 from ..privacy.sizes import declared_sizes, public_client_sizes
 from ..program_cache import cached, committed, jit, to_device
 from ..results import DPPVIResult
-from . import noise_aware, release_noise
+from . import noise_aware, release_noise, release_saturation
 from . import plan as plan_module
 from . import resume as resume_module
 from .defaults import (DEFAULT_LOCAL_STEPS, DEFAULT_OPTIMIZER, DEFAULT_ROUNDS,
@@ -693,6 +693,9 @@ class DPPVI:
         calibration = None
         if self.plan is not None and not self.noise_aware:
             calibration = noise_aware.not_noise_aware()
+        elif self.plan is not None and self.method == "virtual_clients":
+            per_client = not self.trusted_aggregator and self.privacy_unit == "example"  # one release per client
+            calibration = release_saturation.calibration(history, self.invalid == "floor" and per_client)
         elif self.plan is not None:
             calibration = {"calibrated": None} if rule is None else noise_aware.calibration(rule)
         convergence = getattr(self, "convergence", None)
@@ -749,6 +752,10 @@ class DPPVI:
         for name, key in (("bound", "trust_region_bound"), ("floored", "curvature_floored")):
             if name in metrics and np.any(np.asarray(metrics[name])):
                 entry[key] = int(np.sum(np.asarray(metrics[name])))
+        if "saturation" in metrics:  # virtual clients' releases, the public clip and noise (pvi.release_saturation)
+            summary = release_saturation.round_summary(metrics["saturation"], metrics["saturation_sd"])
+            if summary is not None:
+                entry["clip_saturation"], entry["clip_saturation_se"] = (round(v, 4) for v in summary)
         if "low_rank_truncation" in metrics:  # computed from q: public
             entry["low_rank_truncation"] = float(metrics["low_rank_truncation"])
         if "order" in metrics and self.schedule == "asynchronous":
@@ -836,7 +843,9 @@ class DPPVI:
         self._check_updates(result, history)
         if rounds and self.noise_aware:  # a fit that flags its intervals gives that warning instead
             self._warn_if_noise_widens(state, quiet=result.calibrated is False)
-        if rounds and result.calibrated is False:
+        if rounds and result.calibrated is False and "reason" in result.calibration:
+            release_saturation.warn_uncalibrated(self.caller, result.calibration)
+        elif rounds and result.calibrated is False:
             noise_aware.warn_uncalibrated(self.caller, result.calibration["precision_rule"], self.adapter.dim,
                                           NEWTON_MAX_DIM if self.method == "dp_optimisation" else None)
         if rounds:

@@ -150,6 +150,9 @@ def synchronous(rule, damping, state: PVIState, data, mask, sizes, key, limits):
     for name in ("bound", "floored"):
         if name in metrics:
             out[name] = metrics[name] & ok
+    for name in ("saturation", "saturation_sd"):  # NaN for a client whose release was not applied
+        if name in metrics:
+            out[name] = jnp.where(ok, metrics[name], jnp.nan)
     return new_state, out
 
 
@@ -208,16 +211,19 @@ def arrivals(rule, damping, state: PVIState, data, mask, sizes, key, order, limi
         bound = metrics.get("bound", jnp.zeros((), bool)) & act
         floored = metrics.get("floored", jnp.zeros((), bool)) & act
         bad = failed & ~factors.finite_coordinates(q_new)
+        saturation = tuple(jnp.where(act, metrics.get(name, jnp.nan), jnp.nan) for name in ("saturation", "saturation_sd"))
         return (q_next, fac, seen, cstate, valid, active, counts, dropped, fixed), (
-            metrics["loss"], afford, invalid, failed, stop, bad, bound, floored)
+            metrics["loss"], afford, invalid, failed, stop, bad, bound, floored, saturation)
 
     # the server's factors take no change in these rounds, but each arrival's rebase applies to them as to q
     init = (state.q, state.factors, state.q_seen, state.client_state, jnp.array(True), state.active,
             state.participations, jnp.zeros((), state.q.eta1.dtype), (state.server_factor, state.noise_factor))
-    (q, fac, seen, cstate, valid, active, counts, dropped, (t0, t_noise)), (loss, took_part, invalid, failed, stop, bad, bound, floored) = jax.lax.scan(
+    (q, fac, seen, cstate, valid, active, counts, dropped, (t0, t_noise)), (loss, took_part, invalid, failed, stop, bad, bound, floored, saturation) = jax.lax.scan(
         arrive, init, (jnp.arange(order.shape[0]), order)
     )
     extra = {}
+    if getattr(rule, "reports_saturation", False) and getattr(rule, "clip", None) is not None and not factors.is_low_rank(q):
+        extra["saturation"], extra["saturation_sd"] = saturation
     if factors.is_low_rank(q):
         state = state._replace(server_factor=t0, noise_factor=t_noise)
         extra["low_rank_truncation"] = dropped
