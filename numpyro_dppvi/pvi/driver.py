@@ -848,7 +848,8 @@ class DPPVI:
         elif rounds and result.calibrated is False:
             noise_aware.warn_uncalibrated(self.caller, result.calibration["precision_rule"], self.adapter.dim,
                                           NEWTON_MAX_DIM if self.method == "dp_optimisation" else None)
-        if rounds:
+        held_back = (result.calibration or {}).get("reason") == "clip"  # its warning names the drift's cause
+        if rounds and not held_back:
             diagnostics.warn_if_unconverged(self.convergence, self.caller,
                                             *convergence_advice(self.caller, self.schedule, self.family,
                                                                 private=self.plan is not None, method=self.method))
