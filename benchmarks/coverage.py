@@ -253,7 +253,7 @@ def run_cell(method: str, epsilon, n: int, count: int, clipping: str = "default"
         extra = against_reference(z, locs, scales, [reference_fit(*logistic_data(i, n)[:2], i, n) for i in references])
     return dict(method=method, epsilon=epsilon, n=n, **({} if clipping == "default" else {"clipping": clipping}),
                 noise_aware=applied, **summarise(z, errors, scales, diverged, warned, seconds, count, flagged), **extra,
-                **({"clip_saturation": saturation} if saturation else {}), "warned_by": warned_by,
+                **({"clip_saturation": saturation} if saturation else {}), **{"warned_by": warned_by},
                 **({"refused": len(refused), "refusal": refused[0][:300]} if refused else {}))
 
 
