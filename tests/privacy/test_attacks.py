@@ -611,9 +611,10 @@ SIZE_CASES = {
 FROM_Q = ("change", "invalid_updates", "invalid_clients", "rejected_round", "failed", "failed_sites",
           "trust_region_bound", "curvature_floored")
 #: Virtual clients' saturation statistic (``pvi.release_saturation``): a function of the noisy releases (the
-#: public clip, noise std and planned shard count aside), so it moves with them, as q does; its standard error
-#: (public values only) and the verdict's flag are not popped, so the test checks that they do not move here.
-FROM_RELEASES = ("clip_saturation", "floored_share")
+#: public clip, noise std and planned shard count aside), so it moves with them, as q does; and their noise
+#: widening, the largest ratio of q's sds to q_fitted's (both published). The saturation's standard error (public
+#: values only) and the verdict's flag are not popped, so the test checks that they do not move here.
+FROM_RELEASES = ("clip_saturation", "floored_share", "noise_widening")
 #: VIPS ``info`` fields computed from the released noisy sums (whether their blend needed the final projection)
 #: and from the published parameters (the noise-aware mixture's effective number of draws): post-processing
 FROM_RELEASED_STATISTICS = ("final_projection", "noise_aware_effective_draws")
