@@ -267,19 +267,29 @@ class Coordinator:
         return combined_ledger([c.ledger for c in self.clients])
 
     def result(self) -> DPPVIResult:
+        """The fit's result, with what it knows of its intervals as ``fit_dppvi`` says it (``calibration``): a
+        noise-aware fit's precision rule (:func:`numpyro_dppvi.pvi.noise_aware.calibration`), and ``calibrated``
+        False for a private fit whose posterior does not account for the noise
+        (:func:`numpyro_dppvi.pvi.noise_aware.not_noise_aware`; on Flower, every private method but noise-aware DP
+        optimisation). The virtual clients' saturation verdict (:mod:`numpyro_dppvi.pvi.release_saturation`) is not
+        computed here: those fits are not noise-aware on Flower, so they are flagged as such."""
         if self.adapter is None:
             raise RuntimeError("no client joined the fit, so there is no model signature and no result")
-        q, fitted = self.q, None
+        q, fitted, calibration = self.q, None, None
         if self.settings.noise_aware:  # the fixed point of noise-aware factors; mean-field: its marginal variances
             dim = np.shape(self.q.eta1)[0]
             zero = np.zeros((dim, dim), np.float32)
             curvature = np.stack([c.curvature if c.curvature is not None else zero for c in self.clients])
             bias = np.stack([c.curvature_bias if c.curvature_bias is not None else zero for c in self.clients])
             gain = np.stack([c.gain_noise if c.gain_noise is not None else zero for c in self.clients])
-            q, fitted = as_numpy(noise_aware.posterior(self.q, {"factor_curvature": curvature,
-                                                                "curvature_bias": bias, "gain_noise": gain})), self.q
+            aware, rule = noise_aware.posterior_and_rule(self.q, {"factor_curvature": curvature,
+                                                                  "curvature_bias": bias, "gain_noise": gain})
+            q, fitted, calibration = as_numpy(aware), self.q, noise_aware.calibration(rule)
+        elif self.method != "pvi":
+            calibration = noise_aware.not_noise_aware()
         return DPPVIResult(self.adapter, q, list(self.history), method=self.method, schedule=self.schedule,
-                           privacy=self.privacy(), config=self.config(), rounds=self.round, q_fitted=fitted)
+                           privacy=self.privacy(), config=self.config(), rounds=self.round, q_fitted=fitted,
+                           calibration=calibration)
 
     # -- checkpoint ----------------------------------------------------------------------------
     def save(self, path, hmac_key: bytes | None = None) -> None:

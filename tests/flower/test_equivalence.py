@@ -72,6 +72,8 @@ def test_inprocess_grid_reproduces_fit_dppvi(method, schedule, clients, tmp_path
     # DP optimisation with private Newton steps is noise-aware on both sides (run config noise-aware "auto"): q as
     # fitted, and the posterior the nodes' reported curvatures make of it
     assert deployed.noise_aware == simulated.noise_aware == (method == "dp_optimisation")
+    # what the fit knows of its intervals (the noise-aware posterior's precision rule) is said the same way
+    assert deployed.calibration == simulated.calibration and deployed.calibrated == simulated.calibrated
     aware = NOISE_AWARE_TOLERANCE if simulated.noise_aware else TOLERANCE
     for (mine, theirs), tolerance in (((simulated.q_fitted, deployed.q_fitted), TOLERANCE),
                                       ((simulated.q, deployed.q), aware)):
@@ -112,6 +114,7 @@ def test_inprocess_grid_reproduces_a_full_rank_fit(method, clients, tmp_path, mo
                 "optimizer": "private_newton" if private else "newton"}
     deployed = run_inprocess(run_config(method, "synchronous", **settings), nodes)
     assert deployed.family == "full_rank" and np.shape(deployed.q.eta2) == np.shape(simulated.q.eta2)
+    assert deployed.calibration == simulated.calibration  # the noise-aware precision rule, said the same way
     aware = NOISE_AWARE_TOLERANCE if simulated.noise_aware else TOLERANCE
     for (mine, theirs), tolerance in (((simulated.q_fitted, deployed.q_fitted), TOLERANCE),
                                       ((simulated.q, deployed.q), aware)):

@@ -46,6 +46,8 @@ def test_a_node_that_goes_away_is_reported_and_the_fit_goes_on(clients, tmp_path
     releases = [dppvi.PrivacyLedger.from_dict(ledgers[f"client-{m}"]).num_releases(0) for m in range(3)]
     assert releases == [15, 5, 15]
     assert np.all(np.isfinite(result.q.eta1)) and result.privacy.epsilon <= 2.0 + 1e-9
+    # an Adam local step is not noise-aware: the deployed result says its intervals are not calibrated, as fit_dppvi's
+    assert result.calibrated is False and result.calibration == dppvi.pvi.noise_aware.not_noise_aware()
 
 
 def test_a_late_client_is_dropped_while_its_own_ledger_counts_its_step(clients, tmp_path):
