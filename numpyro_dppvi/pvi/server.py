@@ -222,7 +222,7 @@ def arrivals(rule, damping, state: PVIState, data, mask, sizes, key, order, limi
         arrive, init, (jnp.arange(order.shape[0]), order)
     )
     extra = {}
-    if getattr(rule, "reports_saturation", False) and getattr(rule, "clip", None) is not None and not factors.is_low_rank(q):
+    if getattr(rule, "measures_saturation", lambda q: False)(q):
         extra["saturation"], extra["saturation_sd"] = saturation
     if factors.is_low_rank(q):
         state = state._replace(server_factor=t0, noise_factor=t_noise)

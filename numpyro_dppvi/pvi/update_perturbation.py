@@ -242,7 +242,7 @@ class ShardRule:
         basis = q.eta2.basis if factors.is_low_rank(q) else None
         released = summed if self.clip is None else release_change(k_noise, summed, client_state["noise_std"], basis)
         info = {"loss": jnp.zeros(())}
-        if self.reports_saturation and self.clip is not None and basis is None:
+        if self.measures_saturation(q):
             info["saturation"], info["saturation_sd"] = release_saturation.statistic(
                 released, client_state["noise_std"], self.clip, client_state["num_shards"],
                 factors.num_coordinates(self.dim, self.family))
@@ -252,6 +252,11 @@ class ShardRule:
         accepted = ~invalid if self.invalid == "reject" else jnp.ones((), bool)
         state = self.carry_noise(self.commit(client_state, tentative, accepted), accepted, q)
         return proposal, state, dict(info, invalid=invalid)
+
+    def measures_saturation(self, q) -> bool:
+        """Whether :meth:`update` reports its release's saturation for this ``q`` (static): virtual clients whose
+        releases are clipped and noised in ``q``'s own coordinates (not low-rank)."""
+        return self.reports_saturation and self.clip is not None and not factors.is_low_rank(q)
 
     def carry_noise(self, client_state, accepted, q):
         """The client state with what the release's noise left in the client's factor (only virtual clients
