@@ -71,7 +71,10 @@ DEFAULT_CLIP = _DefaultClip(1.0)
 #: and epsilon 8: 0.74 / 0.71 / 0.66, against 0.81 / 0.81 / 0.73 at 0.999); single-level zoo cells in the bar or
 #: whose unflagged fits cover go from 9 to 12 of 20, none lost; coverage.py's DP optimisation and global DP-VI
 #: cells stay at 0.867-0.907 (90%) and 0.40-0.54 (50%), with sds up to 34% wider and RMSE 5-35% larger where the
-#: logistic gradients are bounded and the larger clip only adds noise.
+#: logistic gradients are bounded and the larger clip only adds noise. Within a fit the clip does not reach the
+#: 0.999 quantile (it grows at ``0.2 x (0.999 - F(C))`` a step, ``F`` the norms' distribution): the heavy-tailed
+#: intercepts stay biased. A rate of 1 reaches it and covers them, but the clip then random-walks above the quantile
+#: where the norms are bounded (sds 1.2-7x on coverage.py; ``benchmarks/results/auto_clip_rate.json``): not adopted.
 AUTO_CLIP = AdaptiveClip(target_quantile=0.999, noise_scaled_rate=True)
 
 #: Share of a budget's delta kept for the charges the samplers' coupling arguments add to the
