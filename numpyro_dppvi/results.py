@@ -284,6 +284,17 @@ class DPPVIResult(Result):
         return self.adapter.validate_data(data, "evaluation data")
 
     @property
+    def settings(self):
+        """The fit's settings as one value, :class:`~numpyro_dppvi.pvi.fit_settings.FitSettings`, read from
+        ``config`` (:func:`~numpyro_dppvi.simulation_calibration.fit_options`): ``fit_dppvi(model, clients,
+        settings=result.settings)`` runs the same fit on other clients (the defaults the model decided come back as
+        the values they took). An ``optimizer`` the caller passed is not in a result (code, not a setting)."""
+        from .pvi.fit_settings import FitSettings
+        from .simulation_calibration import fit_options
+
+        return FitSettings(**fit_options(self))
+
+    @property
     def noise_aware(self) -> bool:
         """Whether ``q`` accounts for the uncertainty the privacy noise adds (:mod:`numpyro_dppvi.pvi.noise_aware`)."""
         return bool(self.config.get("noise_aware", False))

@@ -57,6 +57,7 @@ from .privacy.adaptive_clip import AdaptiveClip
 from .privacy.config import Privacy
 from .privacy.ledger import PrivacyLedger
 from .pvi.driver import FitDiverged, NoValidUpdates
+from .pvi.fit_settings import FitSettings
 from .results import DPPVIResult, resolve_key
 
 #: Coverage bars of a calibrated posterior's central 90% and 50% intervals (issue 59, ``benchmarks/coverage.py``).
@@ -89,7 +90,7 @@ def fit_options(result: DPPVIResult) -> dict:
     options["rounds"] = config.get("planned_rounds")
     shards = config.get("shards")
     if shards is not None:
-        options["shards"] = shards if isinstance(shards, str) else [int(k) for k in shards]
+        options["shards"] = shards if isinstance(shards, str) else tuple(int(k) for k in shards)
     p = config.get("privacy")
     if p is not None:
         adaptive = p.get("adaptive_clip")
@@ -394,7 +395,7 @@ def _standardised(result: DPPVIResult, truth_u: np.ndarray, rng, num_draws: int)
     return z, stats.norm.cdf(z), ranks
 
 
-def calibration_check(model: Callable, covariates: Sequence, settings: DPPVIResult | Mapping, *,
+def calibration_check(model: Callable, covariates: Sequence, settings: DPPVIResult | FitSettings | Mapping, *,
                       num_datasets: int = 20, parameters: str = "prior", rng_key=None,
                       simulate: Callable | None = None, fit: Callable | None = None, num_draws: int = 99,
                       options: Mapping | None = None, progress: bool = False) -> CalibrationReport:
@@ -407,8 +408,8 @@ def calibration_check(model: Callable, covariates: Sequence, settings: DPPVIResu
         observations), e.g. ``[(x_1,), (x_2,)]``; synthetic or public rows at the clients' public sizes (the check
         then touches no private data). Each simulated data set has these covariates and new observations.
       settings: the fit to check: a result of :func:`~numpyro_dppvi.fit_dppvi` (its settings, read by
-        :func:`fit_options`), or a dict of ``fit_dppvi`` keyword options (``{"method": "dp_optimisation",
-        "batch_size": 100, "privacy": Privacy(...)}``).
+        :func:`fit_options`), a :class:`~numpyro_dppvi.FitSettings`, or a dict of ``fit_dppvi`` keyword options
+        (``{"method": "dp_optimisation", "batch_size": 100, "privacy": Privacy(...)}``).
       num_datasets: ``K``. The standard error of a coverage near 0.9 is about ``0.3 / sqrt(K)`` for one coordinate
         a data set and smaller for many; 20 gives about 0.02-0.07.
       parameters: ``"prior"`` (simulation-based calibration over the prior: every parameter the prior allows) or
@@ -442,10 +443,13 @@ def calibration_check(model: Callable, covariates: Sequence, settings: DPPVIResu
         raise TypeError("parameters='posterior' draws from a released posterior: pass the fit's result as settings")
     if isinstance(settings, DPPVIResult):
         run_options = fit_options(settings)
+    elif isinstance(settings, FitSettings):
+        run_options = settings.options()
     elif isinstance(settings, Mapping):
         run_options = dict(settings)
     else:
-        raise TypeError(f"settings must be a DPPVIResult or a dict of fit_dppvi options, got {type(settings).__name__}")
+        raise TypeError(f"settings must be a DPPVIResult, a FitSettings or a dict of fit_dppvi options, got "
+                        f"{type(settings).__name__}")
     run_options.update(options or {})
     run_options.pop("rng_key", None)
     for name in ("checkpoint", "resume", "eval_data", "callback"):

@@ -3,6 +3,7 @@
 from .baselines import fit_bcm, fit_global_vi
 from .driver import DPPVI, FitDiverged, NoValidUpdates
 from .fit import fit_dppvi
+from .fit_settings import FitSettings
 from .server import PVIState
 
-__all__ = ["DPPVI", "FitDiverged", "NoValidUpdates", "PVIState", "fit_bcm", "fit_dppvi", "fit_global_vi"]
+__all__ = ["DPPVI", "FitDiverged", "FitSettings", "NoValidUpdates", "PVIState", "fit_bcm", "fit_dppvi", "fit_global_vi"]

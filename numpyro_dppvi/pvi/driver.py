@@ -30,8 +30,6 @@ from ..diagnostics import ADVICE, LOW_RANK_ADVICE, convergence_advice
 from ..evaluation import evaluate
 from ..factors import Gaussian
 from ..model_adapter import ModelAdapter
-from ..optim import Newton, PrivateNewton
-from ..privacy import Privacy
 from ..privacy.noise import float32_at_least
 from ..privacy.sizes import declared_sizes, public_client_sizes
 from ..program_cache import cached, committed, jit, to_device
@@ -39,16 +37,13 @@ from ..results import DPPVIResult
 from . import noise_aware, release_noise, release_saturation
 from . import plan as plan_module
 from . import resume as resume_module
-from .defaults import (DEFAULT_LOCAL_STEPS, DEFAULT_OPTIMIZER, DEFAULT_ROUNDS,
-                       METHOD_DEFAULTS, METHODS, NEWTON_MAX_DIM, PRIVATE_NEWTON_DEFAULTS,
-                       MIN_ROUNDS, PRIVACY_UNITS, UPDATE_METHODS, VIRTUAL_FULL_RANK_DEFAULTS, default_schedule,
-                       did_you_mean, shards_of_batch, virtual_clip)
+from .defaults import MIN_ROUNDS, NEWTON_MAX_DIM, UPDATE_METHODS, virtual_clip
+from .fit_settings import FitSettings, ResolvedSettings
 from .local import releases_pairs
 from .plan import RoundSpec, model_adapter, round_program
 from .privacy_plan import check_subsampled
-from .server import SCHEDULES, PVIState
+from .server import PVIState
 from .shards import ROWS, make_shards, shard_counts
-from .update_perturbation import INVALID_RULES
 
 
 def unrecovered_clients(history: list) -> list[int]:
@@ -128,7 +123,7 @@ class DPPVI:
         rounds: the planned number of rounds; needed to calibrate the noise to a budget, and the default of
             :meth:`run`'s ``rounds``.
         shards: local partitions per client for update perturbation: ``"rows"`` (one record per
-            shard; the default of ``virtual_clients``), an int, or ``f(n_m) -> int`` (records are
+            shard; the default of ``virtual_clients``), an int, ``f(n_m) -> int``, or one int per client (records are
             assigned by a keyed hash of their own values, see :mod:`numpyro_dppvi.pvi.shards`). Parameter
             perturbation uses one shard.
         invalid: rule for noisy updates with a non-positive precision (update perturbation, client-level DP):
@@ -199,163 +194,38 @@ class DPPVI:
                  invalid: str | None = None, precision_floor: float | None = None, trusted_aggregator: bool = False,
                  privacy_unit: str = "example", client_rate: float = 1.0, tail_average: float | None = None,
                  family: str | None = None, rank: int | None = None, noise_aware: bool | None = None):
-        if method not in METHODS:
-            raise ValueError(f"unknown method {method!r}{did_you_mean(method, METHODS)}; choose one of {METHODS}")
-        # virtual clients and non-private PVI without a family or optimizer: the family is chosen by the model's
-        # dimension once the model is traced (_resolve_virtual_defaults, _resolve_pvi_family); mean-field until
-        # then and for every other method
-        self.auto_family = family is None and optimizer is None and (
-            method == "virtual_clients" or (method == "pvi" and privacy is None))
-        family = "mean_field" if family is None else family
-        factors.check_family(family, "DPPVI")
-        if rank is not None and family != "low_rank":
-            raise ValueError(f"rank= sets the rank of family='low_rank'; family={family!r} has none")
-        if rank is not None and (int(rank) != rank or rank < 1 or isinstance(rank, bool)):
-            raise ValueError(f"rank must be a positive integer, got {rank!r}")
-        if method == "dp_optimisation" and isinstance(optimizer, Newton):
-            raise ValueError("method='dp_optimisation' takes an optax optimizer on the privatised gradients "
-                             "(optim.Newton needs the Hessians of the data, which DP-SGD does not release); with "
-                             "family='full_rank' it moves the mean and the Cholesky factor of the covariance")
-        if family == "low_rank" and method == "virtual_clients":
-            raise ValueError("family='low_rank' is not available with virtual clients: a virtual factor written in "
-                             "the shared rank-r basis loses its own directions, and its cavity double-counts them; "
-                             "kept in a basis of its own, the part of its change outside the shared basis is released "
-                             "again every round (measured at negligible noise on a 0.95-correlated regression, rank 1: "
-                             "sds 2-4x and 1.3-2x the exact ones, means 4-140 sd off); take family='full_rank' or "
-                             "'mean_field', or method='local_averaging'")
-        if family in ("full_rank", "low_rank") and method != "dp_optimisation" and optimizer is not None and not isinstance(optimizer, Newton):
-            raise ValueError(f"family={family!r} takes Newton steps with exact expected Hessians: pass "
-                             "optimizer=optim.Newton(precision_step=...) or leave optimizer out (optax "
-                             "transformations act on the (loc, log_scale) of a mean-field q)")
-        if family == "mean_field" and isinstance(optimizer, Newton):
-            raise ValueError("optim.Newton is the local step of family='full_rank'; pass family='full_rank' or an "
-                             "optax optimizer")
-        defaults = METHOD_DEFAULTS.get(method, {})
-        schedule = default_schedule(method, trusted_aggregator, privacy_unit) if schedule is None else schedule
-        if family in ("full_rank", "low_rank") and optimizer is None and method != "dp_optimisation":
-            optimizer = Newton()
-        # DP optimisation with a mean-field or full-rank q and no optimizer: the local step is chosen by the model's
-        # dimension once the model is traced (_resolve_local_step)
-        self.auto_local_step = method == "dp_optimisation" and optimizer is None and family in ("mean_field",
-                                                                                                 "full_rank")
-        self.given = {"damping": damping, "tail_average": tail_average, "noise_aware": noise_aware,
-                      "local_steps": local_steps}
+        self.fit_settings = FitSettings(
+            method=method, schedule=schedule, optimizer=optimizer, local_steps=local_steps, batch_size=batch_size,
+            num_samples=num_samples, damping=damping, server_steps=server_steps, privacy=privacy, rounds=rounds,
+            shards=shards, invalid=invalid, precision_floor=precision_floor, trusted_aggregator=trusted_aggregator,
+            privacy_unit=privacy_unit, client_rate=client_rate, tail_average=tail_average, family=family, rank=rank,
+            noise_aware=noise_aware)
+        self._apply(self.fit_settings.resolve())
         # fit_dppvi sets it when ``rounds`` was left out and the method's default depends on the model
         # (virtual clients: :data:`~.defaults.VIRTUAL_FULL_RANK_DEFAULTS`); ``planned_rounds`` is then resolved
-        # with the family (:meth:`_resolve_virtual_defaults`)
+        # with the family (:meth:`ResolvedSettings.for_model`)
         self.auto_rounds = False
-        if isinstance(optimizer, PrivateNewton) and (method != "dp_optimisation" or family == "low_rank"):
-            raise ValueError("optim.PrivateNewton is the local step of method='dp_optimisation' with family "
-                             "'mean_field' or 'full_rank'; leave optimizer out for the method's default")
-        newton_aware = method == "dp_optimisation" and family in ("mean_field", "full_rank") \
-            and (self.auto_local_step or isinstance(optimizer, PrivateNewton))
-        release_aware = method == "virtual_clients" and family in ("mean_field", "full_rank") \
-            and not trusted_aggregator and privacy_unit == "example"
-        supported = privacy is not None and (newton_aware or release_aware)
-        if noise_aware and not supported:
-            raise ValueError(
-                f"noise_aware=True is available for method='dp_optimisation' with family 'mean_field' or 'full_rank' "
-                f"and optim.PrivateNewton local steps, and for method='virtual_clients' with family 'mean_field' or "
-                f"'full_rank', "
-                f"each client releasing its own update (got method={method!r}, family={family!r}, optimizer="
-                f"{type(optimizer).__name__ if optimizer is not None else None}"
-                f"{', trusted_aggregator=True' if trusted_aggregator else ''}"
-                f"{', privacy_unit=' + repr(privacy_unit) if privacy_unit != 'example' else ''}"
-                f"{'' if privacy is not None else ', no privacy'}); leave noise_aware out (None) to use it where it "
-                "is available, or pass optimizer=optim.PrivateNewton()")
-        if isinstance(optimizer, PrivateNewton):
-            defaults = dict(defaults, **PRIVATE_NEWTON_DEFAULTS)
-        optimizer = defaults.get("optimizer", DEFAULT_OPTIMIZER) if optimizer is None else optimizer
-        local_steps = defaults.get("local_steps", DEFAULT_LOCAL_STEPS) if local_steps is None else local_steps
-        damping = defaults.get("damping", 1.0) if damping is None else damping
-        invalid = defaults.get("invalid", "reject") if invalid is None else invalid
-        precision_floor = defaults.get("precision_floor", 1e-3) if precision_floor is None else precision_floor
-        tail_average = defaults.get("tail_average", 0.0) if tail_average is None else tail_average
-        if schedule not in SCHEDULES:
-            raise ValueError(f"unknown schedule {schedule!r}{did_you_mean(schedule, SCHEDULES)}; choose one of {SCHEDULES}")
-        if privacy_unit not in PRIVACY_UNITS:
-            raise ValueError(f"unknown privacy_unit {privacy_unit!r}; choose one of {PRIVACY_UNITS}")
-        if invalid not in INVALID_RULES:
-            raise ValueError(f"unknown invalid-update rule {invalid!r}; choose one of {INVALID_RULES}")
-        if privacy is not None and not isinstance(privacy, Privacy):
-            raise TypeError("privacy must be dppvi.Privacy(...) or None")
-        if privacy is not None:  # adaptive_clip="auto": adaptive where per-example gradients are clipped
-            privacy = privacy.resolved(per_example=method == "dp_optimisation")
-        if method == "dp_optimisation":
-            if privacy is None:
-                raise TypeError(f"method={method!r} needs privacy=dppvi.Privacy(...) (a budget or a noise multiplier)")
-            if batch_size is None:
-                raise ValueError(f"method={method!r} needs a batch_size (the expected batch of each DP-SGD step, "
-                                 "e.g. batch_size=100: its sampling rate batch_size / n_m enters the accounting)")
-            if trusted_aggregator:
-                raise ValueError("a trusted aggregator does not help DP optimisation (each step's noise is local); "
-                                 "use an update-perturbation method or trusted_aggregator=False")
-        if privacy is not None and privacy.adaptive_clip is not None and method != "dp_optimisation":
-            raise ValueError("adaptive clipping applies to per-example gradient clipping: use "
-                             "method='dp_optimisation' or a fixed clip")
-        if method == "pvi" and privacy is not None and privacy_unit != "client":
-            raise ValueError("method='pvi' is not private at the example level; use method='dp_optimisation' or an "
-                             "update-perturbation method, or privacy_unit='client' for client-level DP")
-        if privacy_unit == "client":
-            if method != "pvi" or privacy is None or schedule != "synchronous":
-                raise ValueError("client-level DP needs method='pvi', schedule='synchronous' and privacy=Privacy(...)")
-        if trusted_aggregator and (method not in UPDATE_METHODS or schedule != "synchronous" or privacy is None):
-            raise ValueError("trusted_aggregator=True needs a private update-perturbation method "
-                             f"{UPDATE_METHODS} with schedule='synchronous'")
-        if method == "virtual_clients" and shards is None:
-            shards = ROWS
-        if method == "local_averaging" and shards is None:
-            if batch_size is None:
-                raise ValueError("method='local_averaging' needs shards= (\"rows\", an int, or a function of the "
-                                 "client size) or a batch_size (then each client has ceil(n_m / batch_size) shards)")
-            shards = functools.partial(shards_of_batch, int(batch_size))
-        if method == "parameter_perturbation":
-            if shards not in (None, 1):
-                raise ValueError("parameter perturbation uses one shard; use local_averaging for more")
-            shards = 1
-        if shards is not None and not (shards == ROWS or callable(shards)
-                                       or (isinstance(shards, (int, np.integer)) and not isinstance(shards, bool)
-                                           and shards >= 1)):
-            raise ValueError(f"shards must be 'rows', a positive int or a function n_m -> int, got {shards!r}")
-        if rounds is not None and (int(rounds) != rounds or rounds < 1):
-            raise ValueError(f"rounds must be a positive integer, got {rounds!r}")
-        if not (0.0 < float(damping) <= 1.0):
-            raise ValueError(f"damping must be in (0, 1], got {damping}")
-        for name, value in (("local_steps", local_steps), ("num_samples", num_samples), ("server_steps", server_steps)):
-            if int(value) != value or value < 1:
-                raise ValueError(f"{name} must be a positive integer, got {value!r}")
-        if not 0.0 <= float(tail_average) < 1.0:
-            raise ValueError(f"tail_average must be in [0, 1) (the share of the last local iterates averaged), "
-                             f"got {tail_average}")
-        if batch_size is not None and (int(batch_size) != batch_size or batch_size < 1):
-            raise ValueError(f"batch_size must be a positive integer or None, got {batch_size!r}")
         self.model = model
-        self.method = method
-        self.schedule = schedule
-        self.optimizer = optimizer
-        self.local_steps = int(local_steps)
-        self.batch_size = None if batch_size is None else int(batch_size)
-        self.num_samples = int(num_samples)
-        self.damping = float(damping)
-        self.server_steps = int(server_steps)
-        self.privacy = privacy
-        self.given["privacy"] = privacy  # a virtual-clients clip rule replaces the clip per set-up (_setup)
-        self.planned_rounds = None if rounds is None else int(rounds)
-        self.shards = shards
-        self.invalid = invalid
-        self.precision_floor = float(precision_floor)
-        self.trusted_aggregator = bool(trusted_aggregator)
-        self.privacy_unit = privacy_unit
-        self.client_rate = float(client_rate)
-        self.tail_average = float(tail_average)
-        self.family = family
-        self.rank = None if rank is None else int(rank)
-        self.noise_aware = supported if noise_aware is None else bool(noise_aware)
         self.adapter: ModelAdapter | None = None
         self.declared_sizes = None  # Privacy.public_sizes, checked against the clients (set up by init)
         self.ledger = None
         self.plan = None
         self.caller = "DPPVI"  # the public function whose options error messages name
+
+    def _apply(self, settings: ResolvedSettings) -> None:
+        """Take the driver's settings attributes (``method``, ``family``, ``damping``, ...) from ``settings``."""
+        for field in dataclasses.fields(ResolvedSettings):
+            if field.name != "given":
+                setattr(self, field.name, getattr(settings, field.name))
+        given = settings.given
+        # a virtual-clients clip rule replaces the clip per set-up (_setup), starting from the privacy as resolved
+        self.given = {"damping": given.damping, "tail_average": given.tail_average, "noise_aware": given.noise_aware,
+                      "local_steps": given.local_steps, "privacy": settings.privacy}
+
+    def _resolved(self) -> ResolvedSettings:
+        """The driver's settings attributes as one value (set-up and ``resume`` may have replaced some)."""
+        current = {f.name: getattr(self, f.name) for f in dataclasses.fields(ResolvedSettings) if f.name != "given"}
+        return ResolvedSettings(given=self.fit_settings, **dict(current, privacy=self.given["privacy"]))
 
     # -- set-up --------------------------------------------------------------------------------
     def _setup(self, clients, key_data):
@@ -386,12 +256,7 @@ class DPPVI:
         # (objectives.release_dimension)
         if self.family == "low_rank":
             self.rank = factors.resolved_rank(a.dim, self.rank)
-        if self.auto_local_step:
-            self._resolve_local_step(a.dim)
-        if self.method == "virtual_clients":
-            self._resolve_virtual_defaults(a.dim)
-        if self.method == "pvi":
-            self._resolve_pvi_family(a.dim)
+        self._apply(self._resolved().for_model(a.dim, self.auto_rounds))
         pair = releases_pairs(self.optimizer, self.family)
         rank = self.rank or 0
         dimension = (objectives.release_dimension(a.dim, self.num_samples, pair)
@@ -590,67 +455,8 @@ class DPPVI:
 
     @property
     def virtual_full_rank(self) -> bool:
-        """Virtual clients with full-rank factors and a noise-aware posterior: the fits
-        :data:`~.defaults.VIRTUAL_FULL_RANK_DEFAULTS` and :func:`~.defaults.virtual_clip` are measured for."""
+        """Virtual clients with full-rank factors and a noise-aware posterior (:attr:`ResolvedSettings.virtual_full_rank`)."""
         return self.method == "virtual_clients" and self.family == "full_rank" and self.noise_aware
-
-    def _resolve_virtual_defaults(self, dim: int):
-        """Virtual clients' defaults by the model's dimension ``D`` (issue 23). Without a family or optimizer, up to
-        :data:`~.defaults.NEWTON_MAX_DIM` latents, each client releasing its own update and the posterior
-        noise-aware: full-rank factors with Newton steps (the full precision holds the curvature whose lack makes
-        mean-field intervals miss, ``pvi.release_noise`` eq. 3); above it, with a trusted aggregator or
-        ``noise_aware=False``, mean-field with the method's defaults. A noise-aware full-rank fit then takes
-        :data:`~.defaults.VIRTUAL_FULL_RANK_DEFAULTS` (20 rounds when ``fit_dppvi`` chose the rounds, damping 0.25)
-        and, unless ``Privacy.clip`` was given, :func:`~.defaults.virtual_clip` (set once the shards are laid out).
-        Options the caller set are kept."""
-        if self.auto_family and dim <= NEWTON_MAX_DIM and self.noise_aware:
-            self.family = "full_rank"
-            self.optimizer = Newton()
-        full = self.virtual_full_rank
-        if full and self.given["damping"] is None:
-            self.damping = float(VIRTUAL_FULL_RANK_DEFAULTS["damping"])
-        if self.auto_rounds and self.planned_rounds is None:
-            self.planned_rounds = int(VIRTUAL_FULL_RANK_DEFAULTS["rounds"]) if full else DEFAULT_ROUNDS
-
-    def _resolve_pvi_family(self, dim: int):
-        """Non-private PVI's family by the model's dimension ``D`` (issue 59): without a family or optimizer,
-        full-rank factors with :class:`~numpyro_dppvi.optim.Newton` steps up to
-        :data:`~.defaults.NEWTON_MAX_DIM` latents, mean-field (:data:`~.defaults.LOCAL_OPTIMIZER`) above. A
-        mean-field ``q`` states a correlated posterior's marginal sds as ``1 / sqrt(diag(Lambda))`` and crosses
-        its ridges one coordinate at a time: on the calibration zoo's non-centred hierarchical Poisson regression
-        (13 latents, 2,000 rows, 5 clients) mean-field fits ended 0.45-3.1 NUTS sd from NUTS with sds 4-65% of
-        NUTS's, two of five still drifting after 100 rounds; full-rank fits of the same data converged in 20-28
-        rounds, 0.15-0.29 NUTS sd from NUTS, sds 28-91% of NUTS's; over the zoo's nine models the worst gap went from
-        3.15 to 0.26 NUTS sd (benchmarks/results/calibration_zoo.json, its pvi cells against
-        ``pvi_mean_field_before_issue_59``). Above ``NEWTON_MAX_DIM`` the ``O(|B| D^2)`` Hessians of a step cost
-        more than the rounds they save (Adult's 110 coordinates: 97-287 s a fit)."""
-        if self.auto_family and dim <= NEWTON_MAX_DIM:
-            self.family = "full_rank"
-            self.optimizer = Newton()
-
-    def _resolve_local_step(self, dim: int):
-        """DP optimisation's local step when no optimizer is given, by the model's dimension ``D``
-        (:data:`~.defaults.NEWTON_MAX_DIM`): :class:`~numpyro_dppvi.optim.PrivateNewton` with the noise-aware
-        answer (damping 1, :mod:`.noise_aware`) up to it; above it, or with ``noise_aware=False``, the optax default
-        with damping 0.5 and the last iterate as the answer (the method's defaults), ``q`` as
-        fitted. (Newton points of the plain, unshrunk factor estimates are thrown about by the noise: measured on
-        the coverage study at epsilon 1, 2,000 rows, a posterior mean's RMSE of 12 against 0.22 noise-aware and
-        0.32 with the optax step, benchmarks/results/coverage.json.) Options the caller set are kept."""
-        newton = dim <= NEWTON_MAX_DIM and self.given["noise_aware"] is not False
-        chosen = PRIVATE_NEWTON_DEFAULTS if newton else METHOD_DEFAULTS["dp_optimisation"]
-        self.optimizer = PrivateNewton() if newton else DEFAULT_OPTIMIZER
-        if self.given["damping"] is None:
-            self.damping = float(chosen["damping"])
-        if self.given["tail_average"] is None:
-            self.tail_average = float(chosen["tail_average"])
-        if self.given["local_steps"] is None:
-            self.local_steps = int(chosen.get("local_steps", DEFAULT_LOCAL_STEPS))
-        if self.given["noise_aware"] is None:
-            self.noise_aware = newton and self.privacy is not None
-        elif self.given["noise_aware"] and not newton:
-            raise ValueError(f"noise_aware=True needs optim.PrivateNewton local steps, which are the default up to "
-                             f"{NEWTON_MAX_DIM} latent dimensions (this model has {dim}): pass "
-                             "optimizer=optim.PrivateNewton() to use them anyway, or leave noise_aware out")
 
     def settings(self) -> dict:
         """The data-independent settings of the fit (JSON): published as ``result.config`` and

@@ -6,11 +6,14 @@ resumes, :mod:`.resume`) the fit. The result holds only what may be published.
 
 from __future__ import annotations
 
+import dataclasses
+
 import optax
 
 from ..results import DPPVIResult
 from .defaults import DEFAULT_ROUNDS, MAX_ROUNDS, METHOD_DEFAULTS
 from .driver import DPPVI
+from .fit_settings import FitSettings
 
 
 def fit_dppvi(model, clients, *, method: str = "pvi", schedule: str | None = None, rounds: int | None = None,
@@ -18,7 +21,7 @@ def fit_dppvi(model, clients, *, method: str = "pvi", schedule: str | None = Non
               optimizer: optax.GradientTransformation | None = None, damping: float | None = None,
               rng_key=None, eval_data=None, callback=None, progress: bool = False,
               server_steps: int = 50, privacy=None, checkpoint=None, resume=None, hmac_key: bytes | None = None,
-              track_epsilon: bool = False, **options) -> DPPVIResult:
+              track_epsilon: bool = False, settings: FitSettings | None = None, **options) -> DPPVIResult:
     """Fit a NumPyro model to federated ``clients`` with (DP-)PVI; the one-call form of :class:`DPPVI`.
 
     ``method="dp_optimisation"`` with ``privacy=Privacy(epsilon=..., delta=..., clip=...)`` calibrates
@@ -77,10 +80,13 @@ def fit_dppvi(model, clients, *, method: str = "pvi", schedule: str | None = Non
       track_epsilon: also record the ledger's epsilon after every round in the history (``"epsilon"``; one
         accountant call per distinct client plan per round). Default False: the epsilon spent is computed on
         demand from ``result.privacy``.
+      settings: the fit's settings as one value, :class:`~numpyro_dppvi.FitSettings` (``result.settings`` runs a
+        fit again), instead of the settings keywords (method, schedule, rounds, local steps, batch size, samples,
+        optimizer, damping, server steps, privacy and the options below); None (the default): the keywords.
 
     Other Parameters:
       shards: local partitions per client for update perturbation: ``"rows"`` (one record per shard; the
-        default of ``"virtual_clients"``), an int, or ``f(n_m) -> int``.
+        default of ``"virtual_clients"``), an int, ``f(n_m) -> int``, or a tuple of one int per client.
       invalid: rule for a noisy update with a non-positive precision: ``"reject"`` or ``"floor"``.
       precision_floor: the precision floor of ``invalid="floor"``.
       trusted_aggregator: each participating client adds a share of the noise and only the sum is revealed
@@ -115,6 +121,12 @@ def fit_dppvi(model, clients, *, method: str = "pvi", schedule: str | None = Non
     Returns:
       a :class:`~numpyro_dppvi.DPPVIResult` holding only what may be published.
     """
+    if settings is not None:
+        keywords = dict(method=method, schedule=schedule, rounds=rounds, local_steps=local_steps,
+                        batch_size=batch_size, num_samples=num_samples, optimizer=optimizer, damping=damping,
+                        server_steps=server_steps, privacy=privacy)
+        method, schedule, rounds, local_steps, batch_size, num_samples, optimizer, damping, server_steps, privacy, \
+            options = _from_settings(settings, keywords, options)
     unknown = set(options) - {"shards", "invalid", "precision_floor", "trusted_aggregator", "privacy_unit",
                               "client_rate", "tail_average", "family", "rank", "noise_aware"}
     if unknown:
@@ -143,3 +155,18 @@ def fit_dppvi(model, clients, *, method: str = "pvi", schedule: str | None = Non
     return driver.run(rng_key, clients, rounds, eval_data=eval_data, callback=callback, progress=progress,
                       checkpoint=checkpoint, hmac_key=hmac_key, track_epsilon=track_epsilon,
                       stop_when_converged=until_converged)
+
+
+def _from_settings(settings: FitSettings, keywords: dict, options: dict) -> tuple:
+    """``fit_dppvi``'s settings keywords taken from ``settings``, refusing keywords set beside it."""
+    if not isinstance(settings, FitSettings):
+        raise TypeError(f"settings must be a dppvi.FitSettings (e.g. result.settings), got {type(settings).__name__}")
+    defaults = {field.name: field.default for field in dataclasses.fields(FitSettings)}
+    both = sorted(name for name, value in keywords.items() if value is not defaults[name] and value != defaults[name])
+    both += sorted(name for name in options if name in defaults)
+    if both:
+        raise TypeError(f"fit_dppvi takes a fit's settings as settings= or as keywords, not both (got settings= and "
+                        f"{both}); change them with settings.replace({both[0]}=...)")
+    values = settings.options()
+    extra = {name: values.pop(name) for name in list(values) if name not in keywords}
+    return (*(values[name] for name in keywords), dict(options, **extra))

@@ -71,11 +71,16 @@ class ShardedClients(NamedTuple):
     ids: np.ndarray  # [M, K_max] uint32: shard identities keying each shard's randomness
 
 
-def shard_counts(sizes, shards: int | str | Callable[[int], int]) -> np.ndarray:
-    """``N_m`` per client: ``"rows"`` (``n_m``), a fixed int, or ``shards(n_m)`` (e.g. ``lambda n: ceil(n / 100)``)."""
+def shard_counts(sizes, shards: int | str | tuple | Callable[[int], int]) -> np.ndarray:
+    """``N_m`` per client: ``"rows"`` (``n_m``), a fixed int, ``shards(n_m)`` (e.g. ``lambda n: ceil(n / 100)``), or a
+    tuple of one count per client (what a fit's ``config["shards"]`` records, so that ``result.settings`` re-runs it)."""
+    sizes = np.asarray(sizes, int)
+    if isinstance(shards, tuple) and len(shards) != len(sizes):
+        raise ValueError(f"shards={shards!r} gives {len(shards)} counts for {len(sizes)} clients; give one per client")
     counts = []
-    for n in np.asarray(sizes, int):
-        k = int(n) if shards == ROWS else (shards(int(n)) if callable(shards) else shards)
+    for m, n in enumerate(sizes):
+        k = int(n) if shards == ROWS else (shards(int(n)) if callable(shards) else
+                                           shards[m] if isinstance(shards, tuple) else shards)
         if isinstance(k, bool) or not isinstance(k, (int, np.integer)) or k < 1:
             raise ValueError(f"shards must give a positive integer per client, got {k!r} for a client of {n} rows")
         if k > n:
