@@ -85,28 +85,46 @@ class LocalSettings:
                                 f"{self.learning_rate}")
 
     def check_method(self, method: str) -> None:
-        """The settings' optimiser and family fit ``method`` (as :class:`~numpyro_dppvi.pvi.driver.DPPVI` requires):
-        non-private full-rank PVI takes Newton steps, DP optimisation an optax optimiser, mean-field never Newton."""
-        if method == "dp_optimisation" and self.optimizer == "newton":
-            raise SettingsError("method='dp_optimisation' takes optimizer 'private_newton' (fit_dppvi's default: "
-                                "learning-rate its step), 'adam', 'sgd' or 'cvi' (Newton steps with exact Hessians need "
-                                "the data, which DP-SGD does not release)")
-        if self.noise_aware and (method != "dp_optimisation" or self.family == "low_rank"
-                                 or self.optimizer != "private_newton"):
-            raise SettingsError("noise-aware is available for method='dp_optimisation' with family 'mean_field' or "
-                                "'full_rank' and optimizer 'private_newton'")
-        if self.optimizer == "private_newton" and (method != "dp_optimisation" or self.family == "low_rank"):
-            raise SettingsError("optimizer='private_newton' is the local step of method='dp_optimisation' with family "
-                                "'mean_field' or 'full_rank'")
+        """The settings fit ``method`` as they would in ``fit_dppvi``: one decision, the simulation's
+        (:meth:`~numpyro_dppvi.pvi.fit_settings.FitSettings.resolve` of the same method, optimiser, family and noise
+        awareness), so that a combination is refused, or accepted, the same way on one machine and across many. A
+        refusal is worded in the node's settings (:meth:`_refusal`) where those name it better."""
+        from ..privacy import Privacy
+        from ..pvi.fit_settings import FitSettings
+        from .local_update import optimizer
+
         if self.optimizer == "private_newton" and not 0.0 < self.learning_rate <= 1.0:
             raise SettingsError(f"optimizer='private_newton' takes learning-rate as its step, in (0, 1]; got "
                                 f"{self.learning_rate}")
+        private = method in PRIVATE_METHODS  # a node's privacy is its own: any Privacy makes the method private
+        try:
+            FitSettings(method=method, optimizer=optimizer(self.optimizer, self.learning_rate), family=self.family,
+                        noise_aware=True if self.noise_aware else None, batch_size=self.batch_size or 1,
+                        privacy=Privacy(noise_multiplier=1.0, delta=1e-5, clip=self.clip) if private else None)
+        except (ValueError, TypeError) as exc:
+            raise SettingsError(self._refusal(method) or str(exc)) from exc
+
+    def _refusal(self, method: str) -> str | None:
+        """The node-settings wording of a combination ``fit_dppvi`` refuses (optimiser names, ``learning-rate``), or
+        None to keep the simulation's."""
+        if method == "dp_optimisation" and self.optimizer == "newton":
+            return ("method='dp_optimisation' takes optimizer 'private_newton' (fit_dppvi's default: learning-rate its "
+                    "step), 'adam', 'sgd' or 'cvi' (Newton steps with exact Hessians need the data, which DP-SGD does "
+                    "not release)")
+        if self.noise_aware and (method != "dp_optimisation" or self.family == "low_rank"
+                                 or self.optimizer != "private_newton"):
+            return ("noise-aware is available for method='dp_optimisation' with family 'mean_field' or 'full_rank' "
+                    "and optimizer 'private_newton'")
+        if self.optimizer == "private_newton" and (method != "dp_optimisation" or self.family == "low_rank"):
+            return ("optimizer='private_newton' is the local step of method='dp_optimisation' with family "
+                    "'mean_field' or 'full_rank'")
         if method == "pvi" and self.family in ("full_rank", "low_rank") and self.optimizer != "newton":
-            raise SettingsError(f"family={self.family!r} with method='pvi' takes optimizer='newton' (learning-rate: "
-                                "its precision step, e.g. 0.5)")
+            return (f"family={self.family!r} with method='pvi' takes optimizer='newton' (learning-rate: its precision "
+                    "step, e.g. 0.5)")
         if self.family == "mean_field" and self.optimizer == "newton":
-            raise SettingsError("optimizer='newton' is the local step of family='full_rank' or 'low_rank'; set the "
-                                "family or another optimizer")
+            return ("optimizer='newton' is the local step of family='full_rank' or 'low_rank'; set the family or "
+                    "another optimizer")
+        return None
 
     def resolved_rank(self, dim: int) -> int:
         """The rank of a low-rank fit over ``dim`` latents (``fit_dppvi``'s rule: ``rank`` or ``round(sqrt(D))``,
