@@ -19,7 +19,7 @@ from .. import keys
 from ..privacy import PrivacyLedger
 from ..program_cache import to_device
 from ..results import DPPVIResult
-from . import release_noise
+from . import release_noise, report
 from .local import DPOptimisation
 from .server import PVIState
 
@@ -46,7 +46,7 @@ def save_checkpoint(driver, path, state: PVIState, history: list, private_histor
     """Write the **private** checkpoint: the whole state (secret key included), the ledger, the
     public and private histories and a keyed fingerprint of the clients' data. Never publish it."""
     meta = {"kind": "DPPVICheckpoint", "format": CHECKPOINT_FORMAT, "seed": driver.seed,
-            "result": driver._result(state, history).public_meta(), "private_history": private_history,
+            "result": report.public_result(driver, state, history).public_meta(), "private_history": private_history,
             "settings": driver.settings(), "fingerprint": keys.keyed_fingerprint(state.key, driver.clients)}
     checkpoints.save(path, state, meta, hmac_key=hmac_key, private=True)
 
