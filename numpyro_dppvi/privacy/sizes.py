@@ -111,3 +111,22 @@ def public_client_sizes(privacy, observed, caller: str = "fit") -> np.ndarray:
             "bound per client, Privacy(public_sizes=...), or use neighbouring='substitute' (sizes public by "
             "definition). See docs/privacy.md, 'Client sizes'.", SizeDisclosureWarning, stacklevel=user_stacklevel())
     return np.asarray(observed, np.int64)
+
+
+def fit_sizes(privacy, observed, privacy_unit: str = "example", caller: str = "fit") -> tuple:
+    """``(declared, sizes)`` of a fit: the declared bounds checked against the clients (None without them; checked
+    and published whatever the unit), and the sizes every size-derived setting (rates, charges, shard counts,
+    scales, shapes, arrival weights) comes from: :func:`public_client_sizes`, or the observed sizes without privacy
+    and under client-level DP, which derives nothing from a size (a client's rows stay inside its clipped change).
+
+    Args:
+      privacy: the fit's :class:`~numpyro_dppvi.privacy.Privacy`, or None.
+      observed: ``[M]``: the number of rows each client holds.
+      privacy_unit: ``"example"`` or ``"client"``. Default ``"example"``.
+      caller: the name of the public function the warning and error messages start with. Default ``"fit"``.
+    """
+    declared = None if privacy is None or privacy.public_sizes is None else \
+        declared_sizes(privacy.public_sizes, observed, caller)
+    if privacy is None or privacy_unit == "client":
+        return declared, np.asarray(observed, np.int64)
+    return declared, public_client_sizes(privacy, observed, caller)

@@ -21,6 +21,7 @@
 from __future__ import annotations
 
 import dataclasses
+import functools
 
 import time
 import warnings
@@ -35,8 +36,9 @@ from ..data import validate_clients
 from ..diagnostics import PosteriorRuleWarning, user_stacklevel
 from ..evaluation import evaluate
 from ..privacy.ledger import PrivacyLedger
+from ..program_cache import cached, jit
 from ..results import DPPVIResult
-from . import low_rank
+from . import low_rank, plan
 from .driver import DPPVI
 
 
@@ -158,7 +160,7 @@ def fit_bcm(model, clients, *, prior: str = "same", local_steps: int = 1000, bat
     sizes = np.asarray(driver.public_sizes, np.float32)
     weights = sizes / sizes.sum() if prior == "split" else np.ones_like(sizes)
     local_priors = jax.vmap(lambda w: factors.scale(q0, w))(jnp.asarray(weights, jnp.float32))
-    q_k = driver.local_posteriors(state, local_priors)
+    q_k = local_posteriors(driver, state, local_priors)
     if factors.is_low_rank(q0):
         q = low_rank_committee(q0, local_priors, q_k, driver.rank)
     else:
@@ -219,3 +221,17 @@ def reset_to_prior(q, prior, invalid: str = "prior"):
                       "(invalid='prior'; history[0]['reset_to_prior'] counts them)", PosteriorRuleWarning,
                       stacklevel=user_stacklevel())
     return factors.Gaussian(*(jnp.where(below, p, a) for a, p in zip(q, prior))), count
+
+
+def local_posteriors(driver, state, priors: factors.Gaussian) -> factors.Gaussian:
+    """Every client's local update, once, from its own prior: ``q_m`` fitted with start and cavity
+    ``priors[m]`` (``[M, D]``) on its own data (Bayesian committee machines). A private rule's
+    releases are charged to the driver's ledger (one participation per client)."""
+    program = cached(("pvi-local-posteriors", driver.rule), lambda: jit(functools.partial(
+        plan.local_posteriors, driver.rule)))
+    q_m = program(priors, driver.data, driver.mask, driver.sizes, state.client_state,
+                  jax.random.fold_in(jax.random.wrap_key_data(state.key), 1))
+    if driver.ledger is not None:
+        for m in range(driver.num_clients):
+            driver.ledger.record(m, driver.plan.event(m, 1))
+    return q_m

@@ -23,23 +23,21 @@ import numpy as np
 import optax
 from tqdm.auto import tqdm
 
-from .. import diagnostics, factors, keys, objectives
+from .. import diagnostics, factors, keys
 from ..data import pad_clients, validate_clients
 from ..diagnostics import ADVICE, LOW_RANK_ADVICE
 from ..evaluation import evaluate
-from ..factors import Gaussian
 from ..model_adapter import ModelAdapter
 from ..privacy.noise import float32_at_least
-from ..privacy.sizes import declared_sizes, public_client_sizes
+from ..privacy.sizes import fit_sizes
 from ..program_cache import cached, committed, jit, to_device
 from ..results import DPPVIResult
 from . import plan as plan_module
-from . import release_noise, report
+from . import report
 from . import resume as resume_module
 from .defaults import MIN_ROUNDS, UPDATE_METHODS, virtual_clip
 from .fit_settings import FitSettings, ResolvedSettings
 from .report import FitDiverged, NoValidUpdates, unrecovered_clients  # noqa: F401 (public here since 0.1)
-from .local import releases_pairs
 from .plan import RoundSpec, model_adapter, round_program
 from .privacy_plan import check_subsampled
 from .server import PVIState
@@ -55,97 +53,30 @@ class DPPVI:
 
     Args:
         model: a NumPyro model taking the data arrays positionally (``@dppvi.model`` optional).
-        method: ``"pvi"`` (non-private local steps, the default), ``"dp_optimisation"`` (DP-SGD in the local step),
-            ``"local_averaging"``, ``"virtual_clients"`` or ``"parameter_perturbation"`` (privacy by
-            perturbing model updates; without ``privacy`` they run without clipping or noise).
-        schedule: ``"sequential" | "synchronous" | "asynchronous"``; default sequential for ``"pvi"`` and
-            ``"dp_optimisation"``, synchronous for the update-perturbation methods, a trusted aggregator
-            and client-level DP (:data:`~numpyro_dppvi.pvi.defaults.METHOD_DEFAULTS`).
-        optimizer: an optax ``GradientTransformation`` for the local steps, or
-            :class:`~numpyro_dppvi.optim.Newton` (``"full_rank"`` and ``"low_rank"`` families) or
-            :class:`~numpyro_dppvi.optim.PrivateNewton` (DP optimisation). Default: ``optim.cvi()`` for ``"pvi"``,
-            ``natural_gradient(0.5)`` for virtual clients, ``optim.Newton()`` for the full-rank and low-rank
-            families (but DP optimisation), for DP optimisation ``optim.PrivateNewton()`` on models of up to
-            :data:`~numpyro_dppvi.pvi.defaults.NEWTON_MAX_DIM` latent dimensions (mean-field or full-rank ``q``,
-            ``noise_aware`` not False) and ``adam(1e-2)`` above, ``adam(1e-2)`` otherwise.
-        local_steps: optimiser steps per client (per shard for update perturbation) per round (default
-            20 for ``"pvi"`` and for DP optimisation's private Newton steps, 10 otherwise).
-        batch_size: rows per local step (``None``: the client's whole data). DP optimisation requires it: the
-            expected Poisson batch (or the fixed batch without replacement), whose sampling rate ``batch_size / n_m``
-            the accounting amplifies by, so that it trades noise per step against steps per budget and is yours to
-            choose (100-200 rows on the benchmarks' clients of 200-6,700 rows, docs/guide.md §4). Local averaging
-            without ``shards`` splits each client into ``ceil(n_m / batch_size)`` shards.
-        num_samples: Monte Carlo draws of ``q`` per step, shared across the batch. Default 10.
-        damping: ``rho`` in ``t_m <- t_m + rho (q_new - q)``, in ``(0, 1]``. Default 1, but 0.5 for DP optimisation
-            with an optax optimizer, 0.1 for virtual clients (0.25 with their noise-aware full-rank factors).
-        server_steps: steps of the server's prior-factor refinement per round (non-Gaussian priors). Default 50.
-        privacy: a :class:`~numpyro_dppvi.privacy.Privacy`; None (the default): not private. Required by
-            ``"dp_optimisation"`` and client-level DP; not allowed with ``"pvi"`` at the example level.
-        rounds: the planned number of rounds; needed to calibrate the noise to a budget, and the default of
-            :meth:`run`'s ``rounds``.
-        shards: local partitions per client for update perturbation: ``"rows"`` (one record per
-            shard; the default of ``virtual_clients``), an int, ``f(n_m) -> int``, or one int per client (records are
-            assigned by a keyed hash of their own values, see :mod:`numpyro_dppvi.pvi.shards`). Parameter
-            perturbation uses one shard.
-        invalid: rule for noisy updates with a non-positive precision (update perturbation, client-level DP):
-            ``"reject"`` (the update is not applied) or ``"floor"`` (every precision of the proposal raised to at
-            least ``precision_floor``). Default ``"floor"`` for virtual clients and local averaging, ``"reject"``
-            otherwise.
-        precision_floor: the precision floor of ``invalid="floor"``. Default 1 (a standard-normal prior's
-            precision) for virtual clients and local averaging, 1e-3 otherwise.
-        trusted_aggregator: synchronous update perturbation where each participating client adds a
-            share of the noise and only the sum is revealed, so that the noise of the sum is that of one
-            client's release (needs a private update-perturbation method). Default False.
-        privacy_unit: ``"example"`` (default) or ``"client"`` (client-level DP, synchronous,
-            ``method="pvi"`` local steps; clients sampled with probability ``client_rate``).
-        client_rate: client-level DP: the probability, in ``(0, 1]``, with which each client takes part in a
-            round (Poisson sampling of clients, which needs ``Privacy(sampling="poisson")`` below 1). Default 1:
-            every client every round.
-        tail_average: the share, in ``[0, 1)``, of the last local iterates whose mean is the client's answer (default
-            0.5 for ``"pvi"`` and for DP optimisation's private Newton steps, 0 otherwise;
-            :func:`~numpyro_dppvi.pvi.local.optimise`).
-        family: the Gaussian family of ``q`` and of every factor:
+        method: ``"pvi"`` (default), ``"dp_optimisation"``, ``"local_averaging"``, ``"virtual_clients"`` or
+            ``"parameter_perturbation"``.
+        schedule: ``"sequential"``, ``"synchronous"`` or ``"asynchronous"``; None: the method's.
+        optimizer: the local steps' optax ``GradientTransformation``, ``optim.Newton`` or ``optim.PrivateNewton``.
+        local_steps: optimiser steps per client (or shard) per round.
+        batch_size: rows per local step (None: the client's whole data; DP optimisation requires it).
+        num_samples: Monte Carlo draws of ``q`` per step. Default 10.
+        damping: ``rho`` in ``t_m <- t_m + rho (q_new - q)``, in ``(0, 1]``.
+        server_steps: steps of the server's prior-factor refinement per round. Default 50.
+        privacy: a :class:`~numpyro_dppvi.privacy.Privacy`, or None (not private).
+        rounds: the planned number of rounds (the noise's calibration; :meth:`run`'s default).
+        shards: update perturbation's local partitions per client.
+        invalid: the rule for a noisy update with a non-positive precision, ``"reject"`` or ``"floor"``.
+        precision_floor: the floor of ``invalid="floor"``.
+        trusted_aggregator: only the sum of the clients' noisy releases is revealed. Default False.
+        privacy_unit: ``"example"`` (default) or ``"client"`` (client-level DP).
+        client_rate: client-level DP's per-round participation probability. Default 1.
+        tail_average: the share of the last local iterates averaged into the client's answer.
+        family: ``"mean_field"``, ``"full_rank"`` or ``"low_rank"``; None: chosen by the method and the model.
+        rank: the rank of ``family="low_rank"``.
+        noise_aware: whether ``q`` accounts for the privacy noise: None (wherever available), True or False.
 
-            * ``"mean_field"`` (independent coordinates, ``O(D)`` per factor) is the default. Left out, non-private
-              PVI (``method="pvi"`` without ``privacy``) without an ``optimizer`` takes ``"full_rank"`` with
-              :class:`~numpyro_dppvi.optim.Newton` steps once the model is traced if it has at most
-              :data:`~numpyro_dppvi.pvi.defaults.NEWTON_MAX_DIM` latent dimensions (mean-field understates
-              correlated sds and crosses their ridges slowly; docs/guide.md §3); private virtual clients without an
-              ``optimizer``, each client releasing its own update (no trusted
-              aggregator, example-level privacy) with a noise-aware posterior, take ``"full_rank"`` once the
-              model is traced if it has at most :data:`~numpyro_dppvi.pvi.defaults.NEWTON_MAX_DIM` latent
-              dimensions, and with it damping 0.25, 20 planned rounds when ``fit_dppvi`` chose the rounds
-              (:data:`~numpyro_dppvi.pvi.defaults.VIRTUAL_FULL_RANK_DEFAULTS`) and, unless ``Privacy.clip`` is
-              given, a clip from the calibrated noise and the planned shards
-              (:func:`~numpyro_dppvi.pvi.defaults.virtual_clip`); options you set are kept.
-            * ``"full_rank"``: a full precision matrix, ``O(D^2)`` memory per client and ``O(D^3)`` per step; local
-              steps by :class:`~numpyro_dppvi.optim.Newton`, :mod:`~numpyro_dppvi.pvi.full_rank`. Mean-field
-              under-states the sds of correlated posteriors (docs/guide.md, "Choosing the family").
-              ``"full_rank"`` is available without privacy (``method="pvi"``, :func:`fit_global_vi`, :func:`fit_bcm`)
-              and with every private method: update perturbation (with or without a trusted aggregator) and
-              client-level DP release a clipped change of the whole precision matrix with symmetric noise
-              (:func:`~numpyro_dppvi.pvi.update_perturbation.release_change`); DP optimisation moves the mean and
-              the Cholesky factor of the covariance with an optax optimizer
-              (:func:`~numpyro_dppvi.factors.to_params`). A private release has ``D (D + 3) / 2`` noise
-              coordinates (mean-field ``2 D``).
-            * ``"low_rank"`` with ``rank=r``: a diagonal plus rank-``r`` precision in one public basis shared by
-              ``q`` and every factor (:mod:`~numpyro_dppvi.pvi.low_rank`); ``method="pvi"`` (Newton steps),
-              ``"dp_optimisation"`` (parameters ``(loc, log s, W)``, ``2 D + D r`` noise coordinates), parameter
-              perturbation and local averaging (with or without a trusted aggregator) and client-level DP
-              (releases in the public basis, ``2 D + r (r + 1) / 2 + (D - r) r`` noise coordinates),
-              :func:`fit_global_vi`, :func:`fit_bcm` and the Flower deployment; not virtual clients. ``r = D`` is
-              the full-rank fit.
-        rank: the rank ``r`` of ``family="low_rank"``, a positive integer (default ``round(sqrt(D))``); only with
-            that family.
-        noise_aware: whether the result's ``q`` accounts for the uncertainty the privacy noise leaves in the fit
-            (post-processing of the releases, no privacy cost; ``result.q_fitted`` is ``q`` as fitted). None (the
-            default): wherever it is available, that is private DP optimisation with a mean-field or full-rank
-            ``q`` and :class:`~numpyro_dppvi.optim.PrivateNewton` local steps (the default without an
-            ``optimizer`` up to :data:`~numpyro_dppvi.pvi.defaults.NEWTON_MAX_DIM` latent dimensions;
-            :mod:`~numpyro_dppvi.pvi.noise_aware`), and private virtual clients with a mean-field or full-rank
-            ``q``, each client releasing its own update (:mod:`~numpyro_dppvi.pvi.release_noise`). True: insist
-            (an error where it is not available). False: ``q`` as fitted, and DP optimisation without an
-            ``optimizer`` takes the optax step.
+    Every option, its default and the combinations refused are :class:`~numpyro_dppvi.pvi.fit_settings.FitSettings`'
+    (the driver's settings are ``FitSettings(...).resolve()``, completed by the traced model's dimension).
     """
 
     def __init__(self, model, method: str = "pvi", schedule: str | None = None,
@@ -196,15 +127,8 @@ class DPPVI:
         self.clients = clients
         observed = [len(c[0]) for c in clients]
         self.privacy = self.given["privacy"]  # as given: a clip chosen by a rule follows these clients
-        # every size-derived setting below (rates, charges, shard counts, scales, shapes, arrival weights)
-        # comes from these: declared public bounds, else the observed sizes (privacy.sizes)
         p = self.privacy
-        # declared bounds are checked (and published) whatever the unit; client-level DP derives nothing from a size
-        # (a client's rows stay inside its clipped change), so it computes with the observed ones
-        self.declared_sizes = None if p is None or p.public_sizes is None else \
-            declared_sizes(p.public_sizes, observed, self.caller)
-        sizes = np.asarray(observed, np.int64) if p is None or self.privacy_unit == "client" else \
-            public_client_sizes(p, observed, self.caller)
+        self.declared_sizes, sizes = fit_sizes(p, observed, self.privacy_unit, self.caller)
         if self.method == "dp_optimisation":  # before tracing the model: a quick, clear error
             check_subsampled(self.batch_size, sizes, self.caller)
         self.adapter = model_adapter(self.model, clients)
@@ -212,16 +136,10 @@ class DPPVI:
             self.adapter.validate_data(c, f"client {m}")
         self.num_clients = len(clients)
         a = self.adapter
-        # noise coordinates of one release: a change of (eta1, eta2) (2 D, D (D + 3) / 2, ...), or DP-SGD's
-        # pair release, 2 P D, or an optax step's scaled variational gradient of a mean-field q, 2 D
-        # (objectives.release_dimension)
         if self.family == "low_rank":
             self.rank = factors.resolved_rank(a.dim, self.rank)
         self._apply(self._resolved().for_model(a.dim, self.auto_rounds))
-        pair = releases_pairs(self.optimizer, self.family)
-        rank = self.rank or 0
-        dimension = (objectives.release_dimension(a.dim, self.num_samples, pair)
-                     if self.method == "dp_optimisation" else factors.num_coordinates(a.dim, self.family, rank))
+        dimension = plan_module.release_dimension(self)
         declared = self.declared_sizes is not None and self.privacy_unit != "client"
         if self.method in UPDATE_METHODS:
             layout = self.shard_layout(clients, key_data, counts=shard_counts(sizes, self.shards) if declared else None)
@@ -277,35 +195,12 @@ class DPPVI:
         if self.plan is not None:
             state = self._calibrate(program, inputs)
         else:
-            state = program(*inputs, self._initial_extras(self.plan))
+            state = program(*inputs, plan_module.initial_extras(self, self.plan))
         self.seed = seed
         self.ledger = None if self.plan is None else self.privacy.ledger(
             m, self.trusted_aggregator, seed=seed, charges=self.plan.charges(self.planned_rounds),
             sizes="unused" if self.privacy_unit == "client" else None)
         return state
-
-    def _initial_extras(self, plan) -> dict:
-        """Per-client settings the rule reads from its state, with ``plan``'s noise (NumPy: the programs take
-        them as inputs, so that a placeholder plan of the same shape compiles the same programs)."""
-        m = self.num_clients
-        extras = {}
-        if self.method in UPDATE_METHODS:
-            extras.update(ids=np.asarray(self.shard_ids), num_shards=np.asarray(self.num_shards, np.float32),
-                          noise_std=np.zeros(m, np.float32))
-        if self.method == "virtual_clients":
-            extras[release_noise.KEY] = np.zeros(m, np.float32)
-            dim = self.adapter.dim
-            if self.family in ("mean_field", "full_rank"):  # the releases' centres (pvi.release_noise, eqs. 1, 3)
-                extras[release_noise.CENTRE_KEYS[0]] = np.zeros((m, dim), np.float32)
-                second = (dim, dim) if self.family == "full_rank" else (dim,)
-                extras[release_noise.CENTRE_KEYS[1]] = np.zeros((m,) + second, np.float32)
-        if plan is not None and plan.kind != "client":
-            extras["noise_std"] = float32_at_least([plan.noise_std(j) for j in range(m)])
-        if plan is not None and plan.kind == "dp_sgd":
-            extras["rate"] = np.asarray(plan.rates, np.float32)
-        if self.privacy is not None and self.privacy.adaptive_clip is not None:
-            extras.update(plan_module.adaptive_clip_state(self, plan))
-        return extras
 
     def _calibrate(self, initial_program, inputs) -> PVIState:
         """Calibrate the plan's noise for the planned rounds, warn if it swamps the signal, and return the initial
@@ -327,17 +222,17 @@ class DPPVI:
         rounds = self.planned_rounds
         if self.plan.calibrated_at_once(rounds):
             self.plan.calibrate(rounds)
-            state = initial_program(*inputs, self._initial_extras(self.plan))
+            state = initial_program(*inputs, plan_module.initial_extras(self, self.plan))
         else:
             placeholder = dataclasses.replace(self.plan, noise_multipliers=np.ones(self.num_clients))
             lowered = threading.Event()
             pool = concurrent.futures.ThreadPoolExecutor(1, thread_name_prefix="dppvi-compile")
-            compiling = pool.submit(self._compile_ahead, initial_program, inputs, self._initial_extras(placeholder),
+            compiling = pool.submit(self._compile_ahead, initial_program, inputs, plan_module.initial_extras(self, placeholder),
                                     lowered)
             try:
                 lowered.wait()
                 self.plan.calibrate(rounds)
-                state = initial_program(*inputs, self._initial_extras(self.plan))
+                state = initial_program(*inputs, plan_module.initial_extras(self, self.plan))
             finally:
                 pool.shutdown(wait=True)
             compiling.result()
@@ -401,19 +296,6 @@ class DPPVI:
             )
         return new_state, metrics
 
-    def local_posteriors(self, state: PVIState, priors: Gaussian) -> Gaussian:
-        """Every client's local update, once, from its own prior: ``q_m`` fitted with start and cavity
-        ``priors[m]`` (``[M, D]``) on its own data (Bayesian committee machines). A private rule's
-        releases are charged to :attr:`ledger` (one participation per client)."""
-        program = cached(("pvi-local-posteriors", self.rule), lambda: jit(functools.partial(
-            plan_module.local_posteriors, self.rule)))
-        q_m = program(priors, self.data, self.mask, self.sizes, state.client_state,
-                      jax.random.fold_in(jax.random.wrap_key_data(state.key), 1))
-        if self.ledger is not None:
-            for m in range(self.num_clients):
-                self.ledger.record(m, self.plan.event(m, 1))
-        return q_m
-
     @property
     def virtual_full_rank(self) -> bool:
         """Virtual clients with full-rank factors and a noise-aware posterior (:attr:`ResolvedSettings.virtual_full_rank`)."""
@@ -451,12 +333,7 @@ class DPPVI:
         if state is None:
             state = self.init(rng_key, clients)
         else:
-            if self.adapter is None:
-                raise RuntimeError("resume through fit_dppvi(..., resume=path), or call init first")
-            if self.privacy is not None:
-                if ledger is None:
-                    raise ValueError("resuming a private fit needs its ledger so spent budget is kept")
-                self.ledger = ledger
+            resume_module.take_ledger(self, ledger)
         if rounds is None:  # the planned rounds, once the model's defaults are resolved (fit_dppvi's rounds=None)
             if self.planned_rounds is None:
                 raise ValueError("rounds must be a non-negative integer, got None")
@@ -467,14 +344,7 @@ class DPPVI:
         eval_arrays = None if eval_data is None else self.adapter.validate_data(eval_data, "eval_data")
         eval_key = None if eval_data is None else jax.random.fold_in(jax.random.wrap_key_data(state.key), 0x5EED)
         limits = self.limits(state, rounds)
-        if self.plan is not None and int(rounds) > 0 and int(state.round) > 0:
-            able = np.asarray(state.active) & (np.asarray(limits) > np.asarray(state.participations))
-            if not able.any():
-                raise ValueError(
-                    f"{self.caller}: every client's budget is spent after round {int(state.round)} (the noise was "
-                    f"calibrated to {self.planned_rounds} planned rounds), so {int(rounds)} more round(s) would release "
-                    "nothing and change nothing: the checkpoint's result is final. More rounds need a new fit planned "
-                    "for them (rounds=..., its noise calibrated to them), whose budget adds to this one's on the same data")
+        resume_module.check_budget_left(self, state, limits, rounds)
         trajectory = collections.deque([diagnostics.unconstrained_coordinates(state.q)],
                                        maxlen=2 * diagnostics.WINDOW + 1)
         iterator = range(int(rounds))

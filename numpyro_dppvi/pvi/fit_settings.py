@@ -33,32 +33,101 @@ from .update_perturbation import INVALID_RULES
 class FitSettings:
     """The options of a DP-PVI fit as given; ``None`` leaves an option to the method's default.
 
-    The fields are the options of :class:`~numpyro_dppvi.pvi.driver.DPPVI` (its docstring describes each, with its
-    default), ``rounds`` the planned rounds.
+    The fields are the options of :func:`~numpyro_dppvi.fit_dppvi` and :class:`~numpyro_dppvi.pvi.driver.DPPVI` (the
+    room of their defaults and refusals); ``rounds`` is the planned number of rounds.
 
     Args:
-      method: ``"pvi"``, ``"dp_optimisation"``, ``"local_averaging"``, ``"virtual_clients"`` or
-        ``"parameter_perturbation"``. Default ``"pvi"``.
-      schedule: ``"sequential"``, ``"synchronous"`` or ``"asynchronous"``; None: the method's.
-      optimizer: the local steps' optax ``GradientTransformation``, ``optim.Newton`` or ``optim.PrivateNewton``;
-        None: the method's.
-      local_steps: optimiser steps per client (or shard) per round; None: the method's.
-      batch_size: rows per local step; None: the client's whole data (DP optimisation requires it).
-      num_samples: Monte Carlo draws of ``q`` per step. Default 10.
-      damping: ``rho`` in ``(0, 1]``; None: the method's.
-      server_steps: steps of the server's prior-factor refinement per round. Default 50.
-      privacy: a :class:`~numpyro_dppvi.privacy.Privacy`, or None (not private).
-      rounds: the planned number of rounds, or None.
-      shards: update perturbation's local partitions: ``"rows"``, an int or ``f(n_m) -> int``; None: the method's.
-      invalid: ``"reject"`` or ``"floor"``; None: the method's.
-      precision_floor: the floor of ``invalid="floor"``; None: the method's.
-      trusted_aggregator: only the sum of the clients' noisy releases is revealed. Default False.
-      privacy_unit: ``"example"`` (default) or ``"client"``.
-      client_rate: client-level DP's per-round participation probability in ``(0, 1]``. Default 1.
-      tail_average: the share of the last local iterates averaged, in ``[0, 1)``; None: the method's.
-      family: ``"mean_field"``, ``"full_rank"`` or ``"low_rank"``; None: chosen by the method and the model.
-      rank: the rank of ``family="low_rank"``; None: ``round(sqrt(D))``.
-      noise_aware: None (wherever available), True (insist) or False.
+      method: ``"pvi"`` (non-private local steps, the default), ``"dp_optimisation"`` (DP-SGD in the local step),
+          ``"local_averaging"``, ``"virtual_clients"`` or ``"parameter_perturbation"`` (privacy by
+          perturbing model updates; without ``privacy`` they run without clipping or noise).
+      schedule: ``"sequential" | "synchronous" | "asynchronous"``; default sequential for ``"pvi"`` and
+          ``"dp_optimisation"``, synchronous for the update-perturbation methods, a trusted aggregator
+          and client-level DP (:data:`~numpyro_dppvi.pvi.defaults.METHOD_DEFAULTS`).
+      optimizer: an optax ``GradientTransformation`` for the local steps, or
+          :class:`~numpyro_dppvi.optim.Newton` (``"full_rank"`` and ``"low_rank"`` families) or
+          :class:`~numpyro_dppvi.optim.PrivateNewton` (DP optimisation). Default: ``optim.cvi()`` for ``"pvi"``,
+          ``natural_gradient(0.5)`` for virtual clients, ``optim.Newton()`` for the full-rank and low-rank
+          families (but DP optimisation), for DP optimisation ``optim.PrivateNewton()`` on models of up to
+          :data:`~numpyro_dppvi.pvi.defaults.NEWTON_MAX_DIM` latent dimensions (mean-field or full-rank ``q``,
+          ``noise_aware`` not False) and ``adam(1e-2)`` above, ``adam(1e-2)`` otherwise.
+      local_steps: optimiser steps per client (per shard for update perturbation) per round (default
+          20 for ``"pvi"`` and for DP optimisation's private Newton steps, 10 otherwise).
+      batch_size: rows per local step (``None``: the client's whole data). DP optimisation requires it: the
+          expected Poisson batch (or the fixed batch without replacement), whose sampling rate ``batch_size / n_m``
+          the accounting amplifies by, so that it trades noise per step against steps per budget and is yours to
+          choose (100-200 rows on the benchmarks' clients of 200-6,700 rows, docs/guide.md §4). Local averaging
+          without ``shards`` splits each client into ``ceil(n_m / batch_size)`` shards.
+      num_samples: Monte Carlo draws of ``q`` per step, shared across the batch. Default 10.
+      damping: ``rho`` in ``t_m <- t_m + rho (q_new - q)``, in ``(0, 1]``. Default 1, but 0.5 for DP optimisation
+          with an optax optimizer, 0.1 for virtual clients (0.25 with their noise-aware full-rank factors).
+      server_steps: steps of the server's prior-factor refinement per round (non-Gaussian priors). Default 50.
+      privacy: a :class:`~numpyro_dppvi.privacy.Privacy`; None (the default): not private. Required by
+          ``"dp_optimisation"`` and client-level DP; not allowed with ``"pvi"`` at the example level.
+      rounds: the planned number of rounds; needed to calibrate the noise to a budget, and the default of
+          :meth:`DPPVI.run <numpyro_dppvi.pvi.driver.DPPVI.run>`'s ``rounds``.
+      shards: local partitions per client for update perturbation: ``"rows"`` (one record per
+          shard; the default of ``virtual_clients``), an int, ``f(n_m) -> int``, or one int per client (records are
+          assigned by a keyed hash of their own values, see :mod:`numpyro_dppvi.pvi.shards`). Parameter
+          perturbation uses one shard.
+      invalid: rule for noisy updates with a non-positive precision (update perturbation, client-level DP):
+          ``"reject"`` (the update is not applied) or ``"floor"`` (every precision of the proposal raised to at
+          least ``precision_floor``). Default ``"floor"`` for virtual clients and local averaging, ``"reject"``
+          otherwise.
+      precision_floor: the precision floor of ``invalid="floor"``. Default 1 (a standard-normal prior's
+          precision) for virtual clients and local averaging, 1e-3 otherwise.
+      trusted_aggregator: synchronous update perturbation where each participating client adds a
+          share of the noise and only the sum is revealed, so that the noise of the sum is that of one
+          client's release (needs a private update-perturbation method). Default False.
+      privacy_unit: ``"example"`` (default) or ``"client"`` (client-level DP, synchronous,
+          ``method="pvi"`` local steps; clients sampled with probability ``client_rate``).
+      client_rate: client-level DP: the probability, in ``(0, 1]``, with which each client takes part in a
+          round (Poisson sampling of clients, which needs ``Privacy(sampling="poisson")`` below 1). Default 1:
+          every client every round.
+      tail_average: the share, in ``[0, 1)``, of the last local iterates whose mean is the client's answer (default
+          0.5 for ``"pvi"`` and for DP optimisation's private Newton steps, 0 otherwise;
+          :func:`~numpyro_dppvi.pvi.local.optimise`).
+      family: the Gaussian family of ``q`` and of every factor:
+
+          * ``"mean_field"`` (independent coordinates, ``O(D)`` per factor) is the default. Left out, non-private
+            PVI (``method="pvi"`` without ``privacy``) without an ``optimizer`` takes ``"full_rank"`` with
+            :class:`~numpyro_dppvi.optim.Newton` steps once the model is traced if it has at most
+            :data:`~numpyro_dppvi.pvi.defaults.NEWTON_MAX_DIM` latent dimensions (mean-field understates
+            correlated sds and crosses their ridges slowly; docs/guide.md §3); private virtual clients without an
+            ``optimizer``, each client releasing its own update (no trusted
+            aggregator, example-level privacy) with a noise-aware posterior, take ``"full_rank"`` once the
+            model is traced if it has at most :data:`~numpyro_dppvi.pvi.defaults.NEWTON_MAX_DIM` latent
+            dimensions, and with it damping 0.25, 20 planned rounds when ``fit_dppvi`` chose the rounds
+            (:data:`~numpyro_dppvi.pvi.defaults.VIRTUAL_FULL_RANK_DEFAULTS`) and, unless ``Privacy.clip`` is
+            given, a clip from the calibrated noise and the planned shards
+            (:func:`~numpyro_dppvi.pvi.defaults.virtual_clip`); options you set are kept.
+          * ``"full_rank"``: a full precision matrix, ``O(D^2)`` memory per client and ``O(D^3)`` per step; local
+            steps by :class:`~numpyro_dppvi.optim.Newton`, :mod:`~numpyro_dppvi.pvi.full_rank`. Mean-field
+            under-states the sds of correlated posteriors (docs/guide.md, "Choosing the family").
+            ``"full_rank"`` is available without privacy (``method="pvi"``, :func:`fit_global_vi`, :func:`fit_bcm`)
+            and with every private method: update perturbation (with or without a trusted aggregator) and
+            client-level DP release a clipped change of the whole precision matrix with symmetric noise
+            (:func:`~numpyro_dppvi.pvi.update_perturbation.release_change`); DP optimisation moves the mean and
+            the Cholesky factor of the covariance with an optax optimizer
+            (:func:`~numpyro_dppvi.factors.to_params`). A private release has ``D (D + 3) / 2`` noise
+            coordinates (mean-field ``2 D``).
+          * ``"low_rank"`` with ``rank=r``: a diagonal plus rank-``r`` precision in one public basis shared by
+            ``q`` and every factor (:mod:`~numpyro_dppvi.pvi.low_rank`); ``method="pvi"`` (Newton steps),
+            ``"dp_optimisation"`` (parameters ``(loc, log s, W)``, ``2 D + D r`` noise coordinates), parameter
+            perturbation and local averaging (with or without a trusted aggregator) and client-level DP
+            (releases in the public basis, ``2 D + r (r + 1) / 2 + (D - r) r`` noise coordinates),
+            :func:`fit_global_vi`, :func:`fit_bcm` and the Flower deployment; not virtual clients. ``r = D`` is
+            the full-rank fit.
+      rank: the rank ``r`` of ``family="low_rank"``, a positive integer (default ``round(sqrt(D))``); only with
+          that family.
+      noise_aware: whether the result's ``q`` accounts for the uncertainty the privacy noise leaves in the fit
+          (post-processing of the releases, no privacy cost; ``result.q_fitted`` is ``q`` as fitted). None (the
+          default): wherever it is available, that is private DP optimisation with a mean-field or full-rank
+          ``q`` and :class:`~numpyro_dppvi.optim.PrivateNewton` local steps (the default without an
+          ``optimizer`` up to :data:`~numpyro_dppvi.pvi.defaults.NEWTON_MAX_DIM` latent dimensions;
+          :mod:`~numpyro_dppvi.pvi.noise_aware`), and private virtual clients with a mean-field or full-rank
+          ``q``, each client releasing its own update (:mod:`~numpyro_dppvi.pvi.release_noise`). True: insist
+          (an error where it is not available). False: ``q`` as fitted, and DP optimisation without an
+          ``optimizer`` takes the optax step.
     """
 
     method: str = "pvi"

@@ -20,7 +20,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from .. import diagnostics, factors
+from .. import diagnostics, factors, objectives
 from ..factors import Gaussian
 from ..model_adapter import ModelAdapter
 from ..optim import Newton
@@ -28,10 +28,10 @@ from ..privacy.adaptive_clip import adaptive_clip_init
 from ..privacy.noise import float32_at_least
 from ..persistent_cache import ExportedProgram
 from ..program_cache import cached, jit, shapes, to_device
-from . import full_rank, server
+from . import full_rank, release_noise, server
 from .defaults import UPDATE_METHODS
 from .full_rank import NonPrivateFullRank, ServerFactorStepFullRank, client_batch, lapack_safe_chunk
-from .local import DPOptimisation, NonPrivate, ServerFactorStep
+from .local import DPOptimisation, NonPrivate, ServerFactorStep, releases_pairs
 from .low_rank import NonPrivateLowRank, ServerFactorStepLowRank
 from .privacy_plan import client_level_plan, dp_sgd_plan, shard_update_plan
 from .server import PVIState
@@ -278,3 +278,37 @@ def adaptive_clip_state(driver, plan) -> dict:
     return {"clip": jax.tree.map(lambda *xs: to_device(np.stack(xs), np.float32), *states),
             "noise_per_clip": to_device(float32_at_least([p.gradient_noise_std(float(z), clip=1.0)
                                                           for z in plan.noise_multipliers]), np.float32)}
+
+
+def initial_extras(driver, plan) -> dict:
+    """Per-client settings the rule reads from its state, with ``plan``'s noise (NumPy: the programs take
+    them as inputs, so that a placeholder plan of the same shape compiles the same programs)."""
+    m = driver.num_clients
+    extras = {}
+    if driver.method in UPDATE_METHODS:
+        extras.update(ids=np.asarray(driver.shard_ids), num_shards=np.asarray(driver.num_shards, np.float32),
+                      noise_std=np.zeros(m, np.float32))
+    if driver.method == "virtual_clients":
+        extras[release_noise.KEY] = np.zeros(m, np.float32)
+        dim = driver.adapter.dim
+        if driver.family in ("mean_field", "full_rank"):  # the releases' centres (pvi.release_noise, eqs. 1, 3)
+            extras[release_noise.CENTRE_KEYS[0]] = np.zeros((m, dim), np.float32)
+            second = (dim, dim) if driver.family == "full_rank" else (dim,)
+            extras[release_noise.CENTRE_KEYS[1]] = np.zeros((m,) + second, np.float32)
+    if plan is not None and plan.kind != "client":
+        extras["noise_std"] = float32_at_least([plan.noise_std(j) for j in range(m)])
+    if plan is not None and plan.kind == "dp_sgd":
+        extras["rate"] = np.asarray(plan.rates, np.float32)
+    if driver.privacy is not None and driver.privacy.adaptive_clip is not None:
+        extras.update(adaptive_clip_state(driver, plan))
+    return extras
+
+
+def release_dimension(driver) -> int:
+    """Noise coordinates of one release of ``driver``'s fit (its model traced): a change of ``(eta1, eta2)`` (``2 D``,
+    ``D (D + 3) / 2``, ...), or DP-SGD's pair release, ``2 P D``, or an optax step's scaled variational gradient of
+    a mean-field ``q``, ``2 D`` (:func:`~numpyro_dppvi.objectives.release_dimension`)."""
+    dim = driver.adapter.dim
+    if driver.method == "dp_optimisation":
+        return objectives.release_dimension(dim, driver.num_samples, releases_pairs(driver.optimizer, driver.family))
+    return factors.num_coordinates(dim, driver.family, driver.rank or 0)

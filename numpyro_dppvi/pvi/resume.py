@@ -111,3 +111,28 @@ def resume(driver, path, clients, rounds: int, hmac_key: bytes | None = None, rn
         raise ValueError(f"{path} already ran {done} rounds, more than rounds={rounds}")
     return driver.run(None, clients, rounds - done, state=state, history=saved_result["history"], ledger=ledger,
                     private_history=meta["private_history"], hmac_key=hmac_key, **run_options)
+
+
+def take_ledger(driver, ledger) -> None:
+    """A run that continues a given state: the driver must have been set up (``init`` or :func:`resume`), and a
+    private fit needs its ledger, so that the budget already spent is kept."""
+    if driver.adapter is None:
+        raise RuntimeError("resume through fit_dppvi(..., resume=path), or call init first")
+    if driver.privacy is not None:
+        if ledger is None:
+            raise ValueError("resuming a private fit needs its ledger so spent budget is kept")
+        driver.ledger = ledger
+
+
+def check_budget_left(driver, state, limits, rounds: int) -> None:
+    """Refuse ``rounds`` more rounds of a private fit in which no client may take part any more (every budget is
+    spent): they would release nothing and change nothing."""
+    if driver.plan is None or int(rounds) == 0 or int(state.round) == 0:
+        return
+    able = np.asarray(state.active) & (np.asarray(limits) > np.asarray(state.participations))
+    if not able.any():
+        raise ValueError(
+            f"{driver.caller}: every client's budget is spent after round {int(state.round)} (the noise was "
+            f"calibrated to {driver.planned_rounds} planned rounds), so {int(rounds)} more round(s) would release "
+            "nothing and change nothing: the checkpoint's result is final. More rounds need a new fit planned "
+            "for them (rounds=..., its noise calibrated to them), whose budget adds to this one's on the same data")
