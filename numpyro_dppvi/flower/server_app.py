@@ -102,7 +102,7 @@ class ServerSettings:
                               clip=float(config["clip"]), planned_rounds=int(config["rounds"]),
                               tail_average=float(config["tail-average"]), family=str(config["family"]),
                               rank=int(config["rank"]), noise_aware=noise_aware in (True, "true"))
-        local.check_method(str(config["method"]))
+        local.check_method(str(config["method"]), str(config["schedule"]))
         path = lambda key: Path(str(config[key])) if str(config[key]).strip() else None
         return cls(str(config["model"]), str(config["method"]), str(config["schedule"]), int(config["rounds"]), local,
                    float(config["round-timeout"]), float(config["poll-interval"]), int(config["min-clients"]),

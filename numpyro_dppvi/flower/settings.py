@@ -84,11 +84,12 @@ class LocalSettings:
             raise SettingsError(f"optimizer='newton' takes learning-rate as its precision step, in (0, 0.5]; got "
                                 f"{self.learning_rate}")
 
-    def check_method(self, method: str) -> None:
-        """The settings fit ``method`` as they would in ``fit_dppvi``: one decision, the simulation's
-        (:meth:`~numpyro_dppvi.pvi.fit_settings.FitSettings.resolve` of the same method, optimiser, family and noise
-        awareness), so that a combination is refused, or accepted, the same way on one machine and across many. A
-        refusal is worded in the node's settings (:meth:`_refusal`) where those name it better."""
+    def check_method(self, method: str, schedule: str | None = None) -> None:
+        """The settings fit ``method`` (and the server's ``schedule``, None: the method's) as they would in
+        ``fit_dppvi``: one decision, the simulation's (:meth:`~numpyro_dppvi.pvi.fit_settings.FitSettings.resolve` of
+        the same method, schedule, optimiser, family and noise awareness), so that a combination is refused, or
+        accepted, the same way on one machine and across many. A refusal is worded in the node's settings
+        (:meth:`_refusal`) where those name it better."""
         from ..privacy import Privacy
         from ..pvi.fit_settings import FitSettings
         from .local_update import optimizer
@@ -98,7 +99,8 @@ class LocalSettings:
                                 f"{self.learning_rate}")
         private = method in PRIVATE_METHODS  # a node's privacy is its own: any Privacy makes the method private
         try:
-            FitSettings(method=method, optimizer=optimizer(self.optimizer, self.learning_rate), family=self.family,
+            FitSettings(method=method, schedule=schedule, optimizer=optimizer(self.optimizer, self.learning_rate),
+                        family=self.family,
                         noise_aware=True if self.noise_aware else None, batch_size=self.batch_size or 1,
                         privacy=Privacy(noise_multiplier=1.0, delta=1e-5, clip=self.clip) if private else None)
         except (ValueError, TypeError) as exc:
