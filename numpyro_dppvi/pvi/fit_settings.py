@@ -181,8 +181,8 @@ class FitSettings:
         if method not in METHODS:
             raise ValueError(f"unknown method {method!r}{did_you_mean(method, METHODS)}; choose one of {METHODS}")
         # virtual clients and non-private PVI without a family or optimizer: the family is chosen by the model's
-        # dimension once the model is traced (_resolve_virtual_defaults, _resolve_pvi_family); mean-field until
-        # then and for every other method
+        # dimension once the model is traced (ResolvedSettings.for_model); mean-field until then and for every
+        # other method
         auto_family = family is None and optimizer is None and (
             method == "virtual_clients" or (method == "pvi" and privacy is None))
         family = "mean_field" if family is None else family
@@ -214,7 +214,7 @@ class FitSettings:
         if family in ("full_rank", "low_rank") and optimizer is None and method != "dp_optimisation":
             optimizer = Newton()
         # DP optimisation with a mean-field or full-rank q and no optimizer: the local step is chosen by the model's
-        # dimension once the model is traced (_resolve_local_step)
+        # dimension once the model is traced (dp_optimisation_local_step)
         auto_local_step = method == "dp_optimisation" and optimizer is None and family in ("mean_field",
                                                                                                  "full_rank")
         if isinstance(optimizer, PrivateNewton) and (method != "dp_optimisation" or family == "low_rank"):
