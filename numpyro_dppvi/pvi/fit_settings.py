@@ -14,7 +14,7 @@ from __future__ import annotations
 import dataclasses
 import functools
 from dataclasses import dataclass
-from typing import Any
+from typing import Any, Callable, NamedTuple
 
 import numpy as np
 
@@ -27,6 +27,112 @@ from .defaults import (DEFAULT_LOCAL_STEPS, DEFAULT_OPTIMIZER, DEFAULT_ROUNDS, M
 from .server import SCHEDULES
 from .shards import ROWS
 from .update_perturbation import INVALID_RULES
+
+
+class Combination(NamedTuple):
+    """The options the refusals read (:data:`REFUSALS`): as given, but the family, schedule and privacy filled in
+    (mean-field, the method's schedule, ``Privacy.resolved``); ``optimizer`` as given (None: the method's)."""
+
+    method: str
+    family: str
+    optimizer: Any
+    schedule: str
+    privacy: Privacy | None
+    privacy_unit: str
+    trusted_aggregator: bool
+    rank: int | None
+    noise_aware: bool | None
+    batch_size: int | None
+    shards: Any
+    auto_local_step: bool
+
+
+class Refusal(NamedTuple):
+    """One combination of options a fit refuses: ``when(c)`` of the :class:`Combination`, the exception class, and
+    its message (a string, or a function of ``c``), which names the fix."""
+
+    when: Callable[[Combination], bool]
+    error: type
+    message: str | Callable[[Combination], str]
+
+
+def noise_aware_available(c: Combination) -> bool:
+    """Whether a noise-aware posterior exists for these options: private DP optimisation with a mean-field or
+    full-rank ``q`` and private Newton steps (given, or the default the model may choose), and private virtual
+    clients with a mean-field or full-rank ``q``, each client releasing its own update."""
+    newton = c.method == "dp_optimisation" and c.family in ("mean_field", "full_rank") \
+        and (c.auto_local_step or isinstance(c.optimizer, PrivateNewton))
+    release = c.method == "virtual_clients" and c.family in ("mean_field", "full_rank") \
+        and not c.trusted_aggregator and c.privacy_unit == "example"
+    return c.privacy is not None and (newton or release)
+
+
+def _not_noise_aware(c: Combination) -> str:
+    return (f"noise_aware=True is available for method='dp_optimisation' with family 'mean_field' or 'full_rank' "
+            f"and optim.PrivateNewton local steps, and for method='virtual_clients' with family 'mean_field' or "
+            f"'full_rank', each client releasing its own update (got method={c.method!r}, family={c.family!r}, "
+            f"optimizer={type(c.optimizer).__name__ if c.optimizer is not None else None}"
+            f"{', trusted_aggregator=True' if c.trusted_aggregator else ''}"
+            f"{', privacy_unit=' + repr(c.privacy_unit) if c.privacy_unit != 'example' else ''}"
+            f"{'' if c.privacy is not None else ', no privacy'}); leave noise_aware out (None) to use it where it "
+            "is available, or pass optimizer=optim.PrivateNewton()")
+
+
+#: The combinations of options a fit refuses, in the order they are checked: the one table the simulation
+#: (``fit_dppvi``, ``DPPVI``) and the Flower nodes (``LocalSettings.check_method``) decide by.
+REFUSALS = (
+    Refusal(lambda c: c.rank is not None and c.family != "low_rank", ValueError,
+            lambda c: f"rank= sets the rank of family='low_rank'; family={c.family!r} has none"),
+    Refusal(lambda c: c.method == "dp_optimisation" and isinstance(c.optimizer, Newton), ValueError,
+            "method='dp_optimisation' takes an optax optimizer on the privatised gradients (optim.Newton needs the "
+            "Hessians of the data, which DP-SGD does not release); with family='full_rank' it moves the mean and the "
+            "Cholesky factor of the covariance"),
+    Refusal(lambda c: c.family == "low_rank" and c.method == "virtual_clients", ValueError,
+            "family='low_rank' is not available with virtual clients: a virtual factor written in the shared rank-r "
+            "basis loses its own directions, and its cavity double-counts them; kept in a basis of its own, the part "
+            "of its change outside the shared basis is released again every round (measured at negligible noise on "
+            "a 0.95-correlated regression, rank 1: sds 2-4x and 1.3-2x the exact ones, means 4-140 sd off); take "
+            "family='full_rank' or 'mean_field', or method='local_averaging'"),
+    Refusal(lambda c: c.family in ("full_rank", "low_rank") and c.method != "dp_optimisation"
+            and c.optimizer is not None and not isinstance(c.optimizer, Newton), ValueError,
+            lambda c: f"family={c.family!r} takes Newton steps with exact expected Hessians: pass "
+                      "optimizer=optim.Newton(precision_step=...) or leave optimizer out (optax transformations act "
+                      "on the (loc, log_scale) of a mean-field q)"),
+    Refusal(lambda c: c.family == "mean_field" and isinstance(c.optimizer, Newton), ValueError,
+            "optim.Newton is the local step of family='full_rank'; pass family='full_rank' or an optax optimizer"),
+    Refusal(lambda c: isinstance(c.optimizer, PrivateNewton) and (c.method != "dp_optimisation"
+                                                                 or c.family == "low_rank"), ValueError,
+            "optim.PrivateNewton is the local step of method='dp_optimisation' with family 'mean_field' or "
+            "'full_rank'; leave optimizer out for the method's default"),
+    Refusal(lambda c: bool(c.noise_aware) and not noise_aware_available(c), ValueError, _not_noise_aware),
+    Refusal(lambda c: c.method == "dp_optimisation" and c.privacy is None, TypeError,
+            "method='dp_optimisation' needs privacy=dppvi.Privacy(...) (a budget or a noise multiplier)"),
+    Refusal(lambda c: c.method == "dp_optimisation" and c.batch_size is None, ValueError,
+            "method='dp_optimisation' needs a batch_size (the expected batch of each DP-SGD step, e.g. "
+            "batch_size=100: its sampling rate batch_size / n_m enters the accounting)"),
+    Refusal(lambda c: c.method == "dp_optimisation" and c.trusted_aggregator, ValueError,
+            "a trusted aggregator does not help DP optimisation (each step's noise is local); use an "
+            "update-perturbation method or trusted_aggregator=False"),
+    Refusal(lambda c: c.privacy is not None and c.privacy.adaptive_clip is not None
+            and c.method != "dp_optimisation", ValueError,
+            "adaptive clipping applies to per-example gradient clipping: use method='dp_optimisation' or a fixed clip"),
+    Refusal(lambda c: c.method == "pvi" and c.privacy is not None and c.privacy_unit != "client", ValueError,
+            "method='pvi' is not private at the example level; use method='dp_optimisation' or an "
+            "update-perturbation method, or privacy_unit='client' for client-level DP"),
+    Refusal(lambda c: c.privacy_unit == "client" and (c.method != "pvi" or c.privacy is None
+                                                      or c.schedule != "synchronous"), ValueError,
+            "client-level DP needs method='pvi', schedule='synchronous' and privacy=Privacy(...)"),
+    Refusal(lambda c: c.trusted_aggregator and (c.method not in UPDATE_METHODS or c.schedule != "synchronous"
+                                                or c.privacy is None), ValueError,
+            f"trusted_aggregator=True needs a private update-perturbation method {UPDATE_METHODS} with "
+            "schedule='synchronous'"),
+    Refusal(lambda c: c.method == "local_averaging" and c.shards is None and c.batch_size is None, ValueError,
+            "method='local_averaging' needs shards= (\"rows\", an int, or a function of the client size) or a "
+            "batch_size (then each client has ceil(n_m / batch_size) shards)"),
+    Refusal(lambda c: c.method == "parameter_perturbation" and c.shards not in (None, 1)
+            and not (isinstance(c.shards, tuple) and set(c.shards) == {1}), ValueError,
+            "parameter perturbation uses one shard; use local_averaging for more"),
+)
 
 
 @dataclass(frozen=True)
@@ -168,8 +274,8 @@ class FitSettings:
 
     def resolve(self) -> "ResolvedSettings":
         """These settings with the method's defaults filled in (:data:`~.defaults.METHOD_DEFAULTS`), after checking
-        every option and every combination of them (the errors name the fix). The defaults that depend on the
-        traced model are left to :meth:`ResolvedSettings.for_model`."""
+        every value and then every combination (:data:`REFUSALS`, in order; the errors name the fix). The
+        defaults that depend on the traced model are left to :meth:`ResolvedSettings.for_model`."""
         method, schedule, optimizer, local_steps = self.method, self.schedule, self.optimizer, self.local_steps
         batch_size, num_samples, damping, server_steps = self.batch_size, self.num_samples, self.damping, self.server_steps
         privacy, rounds, shards, invalid, precision_floor = self.privacy, self.rounds, self.shards, self.invalid, \
@@ -187,55 +293,28 @@ class FitSettings:
             method == "virtual_clients" or (method == "pvi" and privacy is None))
         family = "mean_field" if family is None else family
         factors.check_family(family, "DPPVI")
-        if rank is not None and family != "low_rank":
-            raise ValueError(f"rank= sets the rank of family='low_rank'; family={family!r} has none")
         if rank is not None and (int(rank) != rank or rank < 1 or isinstance(rank, bool)):
             raise ValueError(f"rank must be a positive integer, got {rank!r}")
-        if method == "dp_optimisation" and isinstance(optimizer, Newton):
-            raise ValueError("method='dp_optimisation' takes an optax optimizer on the privatised gradients "
-                             "(optim.Newton needs the Hessians of the data, which DP-SGD does not release); with "
-                             "family='full_rank' it moves the mean and the Cholesky factor of the covariance")
-        if family == "low_rank" and method == "virtual_clients":
-            raise ValueError("family='low_rank' is not available with virtual clients: a virtual factor written in "
-                             "the shared rank-r basis loses its own directions, and its cavity double-counts them; "
-                             "kept in a basis of its own, the part of its change outside the shared basis is released "
-                             "again every round (measured at negligible noise on a 0.95-correlated regression, rank 1: "
-                             "sds 2-4x and 1.3-2x the exact ones, means 4-140 sd off); take family='full_rank' or "
-                             "'mean_field', or method='local_averaging'")
-        if family in ("full_rank", "low_rank") and method != "dp_optimisation" and optimizer is not None and not isinstance(optimizer, Newton):
-            raise ValueError(f"family={family!r} takes Newton steps with exact expected Hessians: pass "
-                             "optimizer=optim.Newton(precision_step=...) or leave optimizer out (optax "
-                             "transformations act on the (loc, log_scale) of a mean-field q)")
-        if family == "mean_field" and isinstance(optimizer, Newton):
-            raise ValueError("optim.Newton is the local step of family='full_rank'; pass family='full_rank' or an "
-                             "optax optimizer")
-        defaults = METHOD_DEFAULTS.get(method, {})
         schedule = default_schedule(method, trusted_aggregator, privacy_unit) if schedule is None else schedule
-        if family in ("full_rank", "low_rank") and optimizer is None and method != "dp_optimisation":
-            optimizer = Newton()
+        if schedule not in SCHEDULES:
+            raise ValueError(f"unknown schedule {schedule!r}{did_you_mean(schedule, SCHEDULES)}; choose one of {SCHEDULES}")
+        if privacy_unit not in PRIVACY_UNITS:
+            raise ValueError(f"unknown privacy_unit {privacy_unit!r}; choose one of {PRIVACY_UNITS}")
+        if privacy is not None and not isinstance(privacy, Privacy):
+            raise TypeError("privacy must be dppvi.Privacy(...) or None")
+        if privacy is not None:  # adaptive_clip="auto": adaptive where per-example gradients are clipped
+            privacy = privacy.resolved(per_example=method == "dp_optimisation")
         # DP optimisation with a mean-field or full-rank q and no optimizer: the local step is chosen by the model's
         # dimension once the model is traced (dp_optimisation_local_step)
-        auto_local_step = method == "dp_optimisation" and optimizer is None and family in ("mean_field",
-                                                                                                 "full_rank")
-        if isinstance(optimizer, PrivateNewton) and (method != "dp_optimisation" or family == "low_rank"):
-            raise ValueError("optim.PrivateNewton is the local step of method='dp_optimisation' with family "
-                             "'mean_field' or 'full_rank'; leave optimizer out for the method's default")
-        newton_aware = method == "dp_optimisation" and family in ("mean_field", "full_rank") \
-            and (auto_local_step or isinstance(optimizer, PrivateNewton))
-        release_aware = method == "virtual_clients" and family in ("mean_field", "full_rank") \
-            and not trusted_aggregator and privacy_unit == "example"
-        supported = privacy is not None and (newton_aware or release_aware)
-        if noise_aware and not supported:
-            raise ValueError(
-                f"noise_aware=True is available for method='dp_optimisation' with family 'mean_field' or 'full_rank' "
-                f"and optim.PrivateNewton local steps, and for method='virtual_clients' with family 'mean_field' or "
-                f"'full_rank', "
-                f"each client releasing its own update (got method={method!r}, family={family!r}, optimizer="
-                f"{type(optimizer).__name__ if optimizer is not None else None}"
-                f"{', trusted_aggregator=True' if trusted_aggregator else ''}"
-                f"{', privacy_unit=' + repr(privacy_unit) if privacy_unit != 'example' else ''}"
-                f"{'' if privacy is not None else ', no privacy'}); leave noise_aware out (None) to use it where it "
-                "is available, or pass optimizer=optim.PrivateNewton()")
+        auto_local_step = method == "dp_optimisation" and optimizer is None and family in ("mean_field", "full_rank")
+        combination = Combination(method, family, optimizer, schedule, privacy, privacy_unit, trusted_aggregator,
+                                  rank, noise_aware, batch_size, shards, auto_local_step)
+        for refusal in REFUSALS:
+            if refusal.when(combination):
+                raise refusal.error(refusal.message(combination) if callable(refusal.message) else refusal.message)
+        defaults = METHOD_DEFAULTS.get(method, {})
+        if family in ("full_rank", "low_rank") and optimizer is None and method != "dp_optimisation":
+            optimizer = Newton()
         if isinstance(optimizer, PrivateNewton):
             defaults = dict(defaults, **PRIVATE_NEWTON_DEFAULTS)
         optimizer = defaults.get("optimizer", DEFAULT_OPTIMIZER) if optimizer is None else optimizer
@@ -244,47 +323,13 @@ class FitSettings:
         invalid = defaults.get("invalid", "reject") if invalid is None else invalid
         precision_floor = defaults.get("precision_floor", 1e-3) if precision_floor is None else precision_floor
         tail_average = defaults.get("tail_average", 0.0) if tail_average is None else tail_average
-        if schedule not in SCHEDULES:
-            raise ValueError(f"unknown schedule {schedule!r}{did_you_mean(schedule, SCHEDULES)}; choose one of {SCHEDULES}")
-        if privacy_unit not in PRIVACY_UNITS:
-            raise ValueError(f"unknown privacy_unit {privacy_unit!r}; choose one of {PRIVACY_UNITS}")
         if invalid not in INVALID_RULES:
             raise ValueError(f"unknown invalid-update rule {invalid!r}; choose one of {INVALID_RULES}")
-        if privacy is not None and not isinstance(privacy, Privacy):
-            raise TypeError("privacy must be dppvi.Privacy(...) or None")
-        if privacy is not None:  # adaptive_clip="auto": adaptive where per-example gradients are clipped
-            privacy = privacy.resolved(per_example=method == "dp_optimisation")
-        if method == "dp_optimisation":
-            if privacy is None:
-                raise TypeError(f"method={method!r} needs privacy=dppvi.Privacy(...) (a budget or a noise multiplier)")
-            if batch_size is None:
-                raise ValueError(f"method={method!r} needs a batch_size (the expected batch of each DP-SGD step, "
-                                 "e.g. batch_size=100: its sampling rate batch_size / n_m enters the accounting)")
-            if trusted_aggregator:
-                raise ValueError("a trusted aggregator does not help DP optimisation (each step's noise is local); "
-                                 "use an update-perturbation method or trusted_aggregator=False")
-        if privacy is not None and privacy.adaptive_clip is not None and method != "dp_optimisation":
-            raise ValueError("adaptive clipping applies to per-example gradient clipping: use "
-                             "method='dp_optimisation' or a fixed clip")
-        if method == "pvi" and privacy is not None and privacy_unit != "client":
-            raise ValueError("method='pvi' is not private at the example level; use method='dp_optimisation' or an "
-                             "update-perturbation method, or privacy_unit='client' for client-level DP")
-        if privacy_unit == "client":
-            if method != "pvi" or privacy is None or schedule != "synchronous":
-                raise ValueError("client-level DP needs method='pvi', schedule='synchronous' and privacy=Privacy(...)")
-        if trusted_aggregator and (method not in UPDATE_METHODS or schedule != "synchronous" or privacy is None):
-            raise ValueError("trusted_aggregator=True needs a private update-perturbation method "
-                             f"{UPDATE_METHODS} with schedule='synchronous'")
         if method == "virtual_clients" and shards is None:
             shards = ROWS
         if method == "local_averaging" and shards is None:
-            if batch_size is None:
-                raise ValueError("method='local_averaging' needs shards= (\"rows\", an int, or a function of the "
-                                 "client size) or a batch_size (then each client has ceil(n_m / batch_size) shards)")
             shards = functools.partial(shards_of_batch, int(batch_size))
         if method == "parameter_perturbation":
-            if shards not in (None, 1) and not (isinstance(shards, tuple) and set(shards) == {1}):
-                raise ValueError("parameter perturbation uses one shard; use local_averaging for more")
             shards = 1
         positive = lambda k: isinstance(k, (int, np.integer)) and not isinstance(k, bool) and k >= 1
         if shards is not None and not (shards == ROWS or callable(shards) or positive(shards)
@@ -303,6 +348,7 @@ class FitSettings:
                              f"got {tail_average}")
         if batch_size is not None and (int(batch_size) != batch_size or batch_size < 1):
             raise ValueError(f"batch_size must be a positive integer or None, got {batch_size!r}")
+        supported = noise_aware_available(combination)
         return ResolvedSettings(
             given=self, method=method, schedule=schedule, optimizer=optimizer, local_steps=int(local_steps),
             batch_size=None if batch_size is None else int(batch_size), num_samples=int(num_samples),

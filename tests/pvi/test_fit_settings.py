@@ -111,3 +111,59 @@ def test_settings_beside_a_settings_keyword_is_refused():
         dppvi.fit_dppvi(linear, _clients(), settings=settings, family="mean_field")
     with pytest.raises(TypeError, match="must be a dppvi.FitSettings"):
         dppvi.fit_dppvi(linear, _clients(), settings={"rounds": 2})
+
+
+#: One set of options per entry of REFUSALS, in the table's order: each combination the table refuses.
+_PRIVATE = dppvi.Privacy(epsilon=1.0, delta=1e-5)
+ONE_PER_REFUSAL = [
+    {"rank": 2},
+    {"method": "dp_optimisation", "optimizer": Newton(), "privacy": _PRIVATE, "batch_size": 10},
+    {"method": "virtual_clients", "family": "low_rank", "privacy": _PRIVATE},
+    {"family": "full_rank", "optimizer": DEFAULT_OPTIMIZER},
+    {"family": "mean_field", "optimizer": Newton()},
+    {"optimizer": PrivateNewton()},
+    {"noise_aware": True},
+    {"method": "dp_optimisation", "batch_size": 10},
+    {"method": "dp_optimisation", "privacy": _PRIVATE},
+    {"method": "dp_optimisation", "privacy": _PRIVATE, "batch_size": 10, "trusted_aggregator": True},
+    {"method": "local_averaging", "shards": 2, "privacy": dppvi.Privacy(epsilon=1.0, delta=1e-5,
+                                                                       adaptive_clip=dppvi.privacy.AdaptiveClip())},
+    {"privacy": _PRIVATE},
+    {"privacy_unit": "client", "privacy": _PRIVATE, "schedule": "sequential"},
+    {"method": "local_averaging", "shards": 2, "trusted_aggregator": True, "schedule": "sequential",
+     "privacy": _PRIVATE},
+    {"method": "local_averaging"},
+    {"method": "parameter_perturbation", "shards": 3},
+]
+
+
+def test_every_refusal_of_the_table_is_reached_and_raised_with_its_message():
+    """The combinations refused are decided by one table (``fit_settings.REFUSALS``): each entry is reached by some
+    options (no dead rule) and raises its own error and message, the first match in the table's order."""
+    from numpyro_dppvi.pvi.fit_settings import REFUSALS
+
+    assert len(ONE_PER_REFUSAL) == len(REFUSALS)
+    for options, refusal in zip(ONE_PER_REFUSAL, REFUSALS):
+        with pytest.raises(refusal.error) as caught:
+            dppvi.FitSettings(**options)
+        fired = [r for r in REFUSALS if r.when(_combination(options))]
+        assert fired and fired[0] is refusal, options
+        expected = refusal.message if isinstance(refusal.message, str) else None
+        assert expected is None or str(caught.value) == expected
+
+
+def _combination(options):
+    """The table's view of ``options`` (as FitSettings.resolve builds it), for the test above."""
+    from numpyro_dppvi.pvi.defaults import default_schedule
+    from numpyro_dppvi.pvi.fit_settings import Combination
+
+    settings = {f.name: f.default for f in dataclasses.fields(dppvi.FitSettings)} | options
+    method, family, optimizer = settings["method"], settings["family"] or "mean_field", settings["optimizer"]
+    privacy = settings["privacy"]
+    privacy = None if privacy is None else privacy.resolved(per_example=method == "dp_optimisation")
+    schedule = settings["schedule"] or default_schedule(method, settings["trusted_aggregator"],
+                                                        settings["privacy_unit"])
+    return Combination(method, family, optimizer, schedule, privacy, settings["privacy_unit"],
+                       settings["trusted_aggregator"], settings["rank"], settings["noise_aware"],
+                       settings["batch_size"], settings["shards"],
+                       method == "dp_optimisation" and optimizer is None and family in ("mean_field", "full_rank"))
