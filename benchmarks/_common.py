@@ -16,6 +16,7 @@ import time
 from pathlib import Path
 
 import jax
+import numpy as np
 
 RESULTS = Path(__file__).resolve().parent / "results"
 OUT_ENV = "NUMPYRO_DPPVI_BENCH_OUT"  # the same name as numpyro_dppvi.cli.BENCH_OUT_ENV
@@ -67,3 +68,20 @@ def write(name: str, payload: dict, directory: str | Path | None = None) -> Path
     path.write_text(json.dumps(payload, indent=2) + "\n")
     print(f"wrote {path}")
     return path
+
+
+def late_clipped_share(history: list):
+    """The adaptive clip's clipped share over the last half of rounds (the rounds whose estimates a noise-aware
+    answer averages; pooled over clients: released counts summed over their releases), its final clips, and the
+    releases it pools: ``None`` without an adaptive clip."""
+    entries = [h["adaptive_clip"] for h in history if "adaptive_clip" in h]
+    if len(entries) < 2:
+        return None
+    start = entries[(len(entries) - 1) // 2]
+    end = entries[-1]
+    below = np.subtract(end["below_sum"], start["below_sum"])
+    releases = np.subtract(end["releases"], start["releases"])
+    share = 1.0 - below.sum() / max(releases.sum(), 1)
+    return {"share": round(float(share), 4), "releases": int(releases.sum()),
+            "per_client": np.round(1.0 - below / np.maximum(releases, 1), 4).tolist(),
+            "clip": end["clip"]}

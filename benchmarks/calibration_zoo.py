@@ -52,7 +52,7 @@ sys.path.insert(0, str(ROOT))  # tests.calibration_zoo_models: the models shared
 import jax  # noqa: E402
 import numpy as np  # noqa: E402
 from scipy.stats import norm  # noqa: E402
-from _common import results_dir, write  # noqa: E402
+from _common import late_clipped_share, results_dir, write  # noqa: E402
 
 import numpyro_dppvi as dppvi  # noqa: E402
 from numpyro_dppvi.diagnostics import unconstrained_coordinates  # noqa: E402
@@ -97,6 +97,7 @@ def fit_record(result, z) -> dict:
     _, log_s_fitted = unconstrained_coordinates(result.q_fitted)
     widening = np.exp(log_s - log_s_fitted)
     rounded = lambda v: None if v is None else round(float(v), 3)
+    clipped = late_clipped_share(history)
     return {"raised": False, "cover90": round(float(np.mean(np.abs(z) < 1.6448536269514722)), 3),
             "converged": conv.get("converged"), "jitter": rounded(conv.get("jitter")),
             "change": rounded(conv.get("change")), "drifting": conv.get("drifting"),
@@ -106,7 +107,8 @@ def fit_record(result, z) -> dict:
             "noise_widening_max": rounded(np.max(widening)), "noise_widening_median": rounded(np.median(widening)),
             "precision_rule": (result.calibration or {}).get("precision_rule"),
             "clip_saturation": (result.calibration or {}).get("clip_saturation"),
-            "floored_share": (result.calibration or {}).get("floored_share")}
+            "floored_share": (result.calibration or {}).get("floored_share"),
+            "clipped_share": clipped}
 
 
 def run_cell(model_name: str, method: str, rows: int, epsilon, datasets: int, nuts: int, index: int) -> dict:

@@ -11,6 +11,7 @@ from .adaptive_clip import (
     adaptive_clip_init,
     adaptive_clip_update,
     centred_count,
+    clipped_share,
     count_sensitivity,
     joint_noise_multiplier,
     split_noise_multiplier,
@@ -54,7 +55,7 @@ from .sampling import (
 
 __all__ = [
     "AdaptiveClip", "AdaptiveClipState", "adaptive_clip_events", "adaptive_clip_init",
-    "adaptive_clip_update", "centred_count", "count_sensitivity", "joint_noise_multiplier",
+    "adaptive_clip_update", "centred_count", "clipped_share", "count_sensitivity", "joint_noise_multiplier",
     "split_noise_multiplier",
     "AuditResult", "audit", "clopper_pearson_upper", "epsilon_lower_bound",
     "BACKENDS", "epsilon_of_events", "calibrate_noise", "plan_epsilon",

@@ -56,23 +56,26 @@ class AdaptiveClip:
         ``f = 0.01`` makes the gradient noise 0.5% larger and the count noise std ``10 z``
         times its sensitivity (5 counts at ``z = 1`` under add/remove; Andrew et al. suggest
         ``m / 20``, i.e. 5 for batches of 100).
-      noise_scaled_rate: the geometric step is ``learning_rate * min(1, 0.1 / s_b)``, ``s_b`` the std of the
-        noisy fraction ``b_t / m`` (public: the count's noise std over the expected batch). Where the count's noise
-        swamps the fraction (large noise multipliers: ``s_b = 10 z / m``), the plain step makes ``log C`` a random
-        walk of ``learning_rate * s_b`` a step (measured: 400 steps at ``z = 37``, batches of 100, took the clip to
-        ``e^+-15``); the scaled one bounds it at ``0.1 learning_rate`` a step, still moving ``log C`` by ``0.1
-        learning_rate / s_b`` per unit of quantile error. False (Andrew et al.'s rule) by default;
-        :data:`~numpyro_dppvi.privacy.config.AUTO_CLIP` sets it.
+      noise_scaled_rate: the geometric step is ``learning_rate * min(1, fraction_noise / s_b)``, ``s_b`` the std of
+        the noisy fraction ``b_t / m`` (public: the count's noise std over the expected batch). Where the count's
+        noise swamps the fraction (large noise multipliers: ``s_b = z_b Delta_b / m``), the plain step makes ``log C`` a
+        random walk of ``learning_rate * s_b`` a step (measured: 400 steps at ``z = 37``, batches of 100, took the
+        clip to ``e^+-15``); the scaled one bounds it at ``learning_rate * fraction_noise`` a step, still moving
+        ``log C`` by ``learning_rate * fraction_noise / s_b`` per unit of quantile error. False (Andrew et al.'s
+        rule) by default; :data:`~numpyro_dppvi.privacy.config.AUTO_CLIP` sets it.
+      fraction_noise: the std of the noisy fraction below which ``noise_scaled_rate`` keeps the full step
+        (default :data:`FRACTION_NOISE`, 0.1).
     """
 
     target_quantile: float = 0.5
     learning_rate: float = 0.2
     count_budget_fraction: float = 0.01
     noise_scaled_rate: bool = False
+    fraction_noise: float = 0.1
 
     def __post_init__(self):
         for name, low, high in (
-            ("target_quantile", 0.0, 1.0), ("count_budget_fraction", 0.0, 1.0)
+            ("target_quantile", 0.0, 1.0), ("count_budget_fraction", 0.0, 1.0), ("fraction_noise", 0.0, math.inf)
         ):
             value = getattr(self, name)
             if not _is_number(value) or not low < value < high:
@@ -93,6 +96,13 @@ class AdaptiveClipState(NamedTuple):
       learning_rate: ``eta`` of the geometric update (already scaled when ``noise_scaled_rate``).
       count_noise_std: ``s_b``, the std of the noise added to the centred count.
       expected_batch_size: ``m``, the expected batch size the noisy count is divided by (public).
+      below_sum: ``sum_t (b_t / m + 1/2)``, the noisy fractions of norms below the clip summed over the releases so
+        far (post-processing of the released counts: public, as the clip they move is).
+      releases: the number of releases so far.
+
+    ``1 - (below_sum' - below_sum) / (releases' - releases)`` between two states is an unbiased estimate of the
+    share of the batches' norms clipped in between (the count's noise has mean zero), with standard error
+    ``count_noise_std / m / sqrt(releases' - releases)`` (:func:`clipped_share`).
     """
 
     clip: jax.Array
@@ -100,6 +110,8 @@ class AdaptiveClipState(NamedTuple):
     learning_rate: jax.Array
     count_noise_std: jax.Array
     expected_batch_size: jax.Array
+    below_sum: jax.Array
+    releases: jax.Array
 
 
 def count_sensitivity(neighbouring: str) -> float:
@@ -183,6 +195,7 @@ def adaptive_clip_init(
     target_quantile: float = 0.5,
     learning_rate: float = 0.2,
     noise_scaled_rate: bool = False,
+    fraction_noise: float = None,
 ) -> AdaptiveClipState:
     """Initial state of adaptive clipping.
 
@@ -192,12 +205,15 @@ def adaptive_clip_init(
       count_noise_std: ``s_b = z_b * count_sensitivity(relation)``, the std of the count's noise.
       target_quantile: ``gamma`` in (0, 1). Default 0.5.
       learning_rate: ``eta > 0`` of the geometric update. Default 0.2.
-      noise_scaled_rate: scale the learning rate by ``min(1, FRACTION_NOISE / s_b)``,
+      noise_scaled_rate: scale the learning rate by ``min(1, fraction_noise / s_b)``,
         ``s_b = count_noise_std / expected_batch_size`` the std of the noisy fraction
         (:class:`~numpyro_dppvi.privacy.AdaptiveClip`). Default False.
+      fraction_noise: the noisy fraction's std below which the scaled rate is the full one. Default
+        :data:`FRACTION_NOISE`.
     """
     if noise_scaled_rate:
-        learning_rate = learning_rate * min(1.0, FRACTION_NOISE * expected_batch_size / count_noise_std)
+        bound = FRACTION_NOISE if fraction_noise is None else fraction_noise
+        learning_rate = learning_rate * min(1.0, bound * expected_batch_size / count_noise_std)
     for name, value in (("clip", clip), ("expected_batch_size", expected_batch_size),
                         ("count_noise_std", count_noise_std), ("learning_rate", learning_rate)):
         if isinstance(value, (int, float)) and not (math.isfinite(value) and value > 0):
@@ -206,9 +222,10 @@ def adaptive_clip_init(
         raise ValueError(f"target_quantile must lie in (0, 1), got {target_quantile}.")
     # host values stay NumPy (no one-operation device programs at set-up); traced ones stay JAX
     f32 = lambda x: np.float32(x) if isinstance(x, (int, float)) else jnp.asarray(x, dtype=jnp.float32)  # noqa: E731
+    zero = f32(0.0) if isinstance(clip, (int, float)) else jnp.zeros_like(f32(clip))
     return AdaptiveClipState(
         f32(clip), f32(target_quantile), f32(learning_rate), f32(count_noise_std),
-        f32(expected_batch_size),
+        f32(expected_batch_size), zero, zero,
     )
 
 
@@ -245,7 +262,29 @@ def adaptive_clip_update(state: AdaptiveClipState, norms, mask, key) -> Adaptive
 
 def adaptive_clip_step(state: AdaptiveClipState, noisy_count) -> AdaptiveClipState:
     """The geometric update of the clip from the released count ``count + N(0, count_noise_std^2)``
-    (post-processing): ``C <- C exp(-eta (noisy / E|B| + 1/2 - gamma))``."""
+    (post-processing): ``C <- C exp(-eta (noisy / E|B| + 1/2 - gamma))``, and the running sum of the noisy
+    fractions (:attr:`AdaptiveClipState.below_sum`)."""
     fraction_below = noisy_count / state.expected_batch_size + 0.5
     new_clip = state.clip * jnp.exp(-state.learning_rate * (fraction_below - state.target_quantile))
-    return state._replace(clip=new_clip)
+    return state._replace(clip=new_clip, below_sum=state.below_sum + fraction_below, releases=state.releases + 1.0)
+
+
+def clipped_share(below_sum, releases, count_noise_std, expected_batch_size) -> tuple[np.ndarray, np.ndarray]:
+    """The share of per-example norms above the clip over some releases, from the noisy counts alone:
+    ``(1 - below_sum / releases, count_noise_std / m / sqrt(releases))``, the estimate (unbiased: the counts' noise
+    has mean zero and each noisy fraction is unbiased for its batch's) and its standard error from the counts' noise
+    (the batches' sampling adds ``p (1 - p) / m`` a release to the variance: small beside the noise's where the
+    count is private enough to matter). Arrays broadcast
+    (e.g. one entry per client); NaN where ``releases`` is 0. Post-processing of the releases: no privacy cost.
+
+    Args:
+      below_sum: the noisy fractions below the clip summed over the releases (differences of
+        :attr:`AdaptiveClipState.below_sum`).
+      releases: how many releases the sum holds.
+      count_noise_std: ``s_b``, the count's noise std.
+      expected_batch_size: ``m``, the expected batch size.
+    """
+    releases = np.asarray(releases, float)
+    safe = np.where(releases > 0, releases, np.nan)
+    share = 1.0 - np.asarray(below_sum, float) / safe
+    return share, np.asarray(count_noise_std, float) / np.asarray(expected_batch_size, float) / np.sqrt(safe)

@@ -273,7 +273,8 @@ def adaptive_clip_state(driver, plan) -> dict:
     ``plan``'s noise."""
     p, settings = driver.privacy, driver.privacy.adaptive_clip
     states = [adaptive_clip_init(p.clip, float(driver.batch_size), p.count_noise_std(float(z)),
-                                 settings.target_quantile, settings.learning_rate, settings.noise_scaled_rate)
+                                 settings.target_quantile, settings.learning_rate, settings.noise_scaled_rate,
+                                 settings.fraction_noise)
               for z in plan.noise_multipliers]
     return {"clip": jax.tree.map(lambda *xs: to_device(np.stack(xs), np.float32), *states),
             "noise_per_clip": to_device(float32_at_least([p.gradient_noise_std(float(z), clip=1.0)

@@ -165,6 +165,11 @@ def public_entry(driver, state, metrics, seconds) -> tuple[dict, dict]:
         summary = release_saturation.round_summary(metrics["saturation"], metrics["saturation_sd"])
         if summary is not None:
             entry["clip_saturation"], entry["clip_saturation_se"] = (round(v, 4) for v in summary)
+    clip = getattr(state.client_state, "get", lambda _: None)("clip")
+    if clip is not None and not client_level:  # the adaptive clip and its released counts' running sums
+        entry["adaptive_clip"] = {"clip": np.round(np.asarray(clip.clip, float), 5).tolist(),
+                                  "below_sum": np.asarray(clip.below_sum, float).round(4).tolist(),
+                                  "releases": np.asarray(clip.releases, float).astype(int).tolist()}
     if "low_rank_truncation" in metrics:  # computed from q: public
         entry["low_rank_truncation"] = float(metrics["low_rank_truncation"])
     if "order" in metrics and driver.schedule == "asynchronous":

@@ -614,7 +614,9 @@ FROM_Q = ("change", "invalid_updates", "invalid_clients", "rejected_round", "fai
 #: public clip, noise std and planned shard count aside), so it moves with them, as q does; and their noise
 #: widening, the largest ratio of q's sds to q_fitted's (both published). The saturation's standard error (public
 #: values only) and the verdict's flag are not popped, so the test checks that they do not move here.
-FROM_RELEASES = ("clip_saturation", "floored_share", "noise_widening")
+#: An adaptive clip's history (``adaptive_clip``: the clips and the running sums of the noisy fractions below them,
+#: the released counts post-processed; its release counts are the plan's steps) moves with the releases too.
+FROM_RELEASES = ("clip_saturation", "floored_share", "noise_widening", "adaptive_clip")
 #: VIPS ``info`` fields computed from the released noisy sums (whether their blend needed the final projection)
 #: and from the published parameters (the noise-aware mixture's effective number of draws): post-processing
 FROM_RELEASED_STATISTICS = ("final_projection", "noise_aware_effective_draws")
@@ -727,7 +729,7 @@ def test_pooled_fits_on_d_and_on_d_plus_one_record_publish_the_same_fields_but_q
         metas.append(published(result, tmp_path / f"{i}.npz")[1])
     for meta in metas:
         for entry in meta["history"]:
-            for name in FROM_Q:
+            for name in FROM_Q + FROM_RELEASES:  # global DP-VI's adaptive clip
                 entry.pop(name, None)
         meta.pop("convergence", None)
         for name in FROM_RELEASED_STATISTICS:  # VIPS: functions of the released sums and of q, like q itself
