@@ -4,8 +4,8 @@
 * the privacy plan (:func:`numpyro_dppvi.pvi.privacy_plan.dp_sgd_plan` for this client alone: DP
   optimisation calibrates each client to its own sampling rate ``q_m = b / n_m``, so a client that
   knows only its own size calibrates exactly as ``fit_dppvi`` calibrates it among all clients);
-* the local rule (:class:`~numpyro_dppvi.pvi.local.NonPrivate` or
-  :class:`~numpyro_dppvi.pvi.local.DPOptimisation`, with the settings ``DPPVI._setup`` gives it);
+* the local rule (:func:`numpyro_dppvi.pvi.plan.local_rule`, the simulation's, from the node's settings as one
+  :class:`~numpyro_dppvi.pvi.fit_settings.FitSettings` resolved as ``fit_dppvi`` resolves it);
 * the update of ``pvi.server``: cavity ``q / t_m``, ``q_new = rule.update(q, cavity, ...)`` on the
   client's unpadded rows, and the damped change ``delta = rho (eta(q_new) - eta(q))``, zero when
   ``q_new`` is not finite (post-processing of the client's releases, as in ``server.arrivals``).
@@ -18,6 +18,7 @@ so that the in-process grid can reproduce a simulated fit.
 
 from __future__ import annotations
 
+import dataclasses
 import functools
 import logging
 import importlib
@@ -36,12 +37,10 @@ from ..model_adapter import ModelAdapter
 from ..privacy import Privacy
 from ..privacy.ledger import extra_mass
 from ..privacy.noise import float32_at_least
-from ..pvi.plan import model_adapter
+from ..pvi.plan import local_rule, model_adapter
 from ..optim import Newton, PrivateNewton, cvi
 from ..pvi import low_rank
-from ..pvi.full_rank import NonPrivateFullRank
-from ..pvi.low_rank import NonPrivateLowRank
-from ..pvi.local import DPOptimisation, NonPrivate, releases_pairs
+from ..pvi.local import DPOptimisation, releases_pairs
 from ..pvi.privacy_plan import PrivacyPlan, dp_sgd_plan
 from .settings import LocalSettings, NodeSettings, SettingsError
 
@@ -144,24 +143,14 @@ def pinned_plan(node: NodeSettings, settings: LocalSettings, num_rows: int, dime
 
 
 def make_rule(method: str, adapter: ModelAdapter, settings: LocalSettings, plan: PrivacyPlan | None):
-    """The local rule ``DPPVI._setup`` builds for ``method`` with these settings."""
-    opt = optimizer(settings.optimizer, float(settings.learning_rate))
-    a = adapter
+    """The local rule ``fit_dppvi`` runs for ``method`` with these settings: the node's settings as one
+    :class:`~numpyro_dppvi.pvi.fit_settings.FitSettings` (:meth:`LocalSettings.fit_settings`, with the plan's
+    privacy: the node's clip and sampler), resolved and completed by the model as the simulation's are, and built by
+    the simulation's own :func:`~numpyro_dppvi.pvi.plan.local_rule`."""
     settings.check_method(method)
-    rank = settings.resolved_rank(a.dim)
-    if method == "dp_optimisation":
-        p = plan.privacy
-        return DPOptimisation(a.log_lik_rows, a.dim, opt, settings.local_steps, settings.batch_size,
-                              settings.num_samples, log_lik_row=a.log_lik_row_blocks, clip=p.clip,
-                              sampling=p.sampling, max_batch=plan.max_batch, blocks=a.site_sizes, chunk=plan.chunk,
-                              row_sampler=plan.row_sampler, average=settings.tail_average,
-                              family=settings.family, rank=rank,
-                              damping=float(settings.damping), average_from=settings.planned_rounds // 2,
-                              noise_aware=bool(settings.noise_aware))
-    cls = {"full_rank": NonPrivateFullRank, "low_rank": NonPrivateLowRank}.get(settings.family, NonPrivate)
-    extra = {"rank": rank} if settings.family == "low_rank" else {}
-    return cls(a.log_lik_rows, a.dim, opt, settings.local_steps, settings.batch_size, settings.num_samples,
-               average=settings.tail_average, **extra)
+    resolved = settings.fit_settings(method, None if plan is None else plan.privacy).resolve().for_model(adapter.dim)
+    resolved = dataclasses.replace(resolved, rank=settings.resolved_rank(adapter.dim) or None)
+    return local_rule(resolved, adapter, plan)
 
 
 def noise_dimension(settings: LocalSettings, dim: int) -> int:

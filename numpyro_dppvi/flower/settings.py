@@ -84,31 +84,44 @@ class LocalSettings:
             raise SettingsError(f"optimizer='newton' takes learning-rate as its precision step, in (0, 0.5]; got "
                                 f"{self.learning_rate}")
 
+    def fit_settings(self, method: str, privacy=None, schedule: str | None = None):
+        """These settings as the :class:`~numpyro_dppvi.pvi.fit_settings.FitSettings` of ``fit_dppvi`` that runs the
+        same local update: ``method`` and ``schedule`` (the server's; None: the method's), the named optimizer at
+        ``learning-rate``, and ``privacy`` (the node's :class:`~numpyro_dppvi.privacy.Privacy`: its budget or
+        noise, its sampler, and the server's clip; None for a non-private method). What the node runs
+        (:func:`~numpyro_dppvi.flower.local_update.make_rule`) and what it accepts (:meth:`check_method`) are
+        decided from this value, as the simulation decides from its own."""
+        from ..pvi.fit_settings import FitSettings
+        from .local_update import optimizer
+
+        return FitSettings(method=method, schedule=schedule, optimizer=optimizer(self.optimizer, self.learning_rate),
+                           local_steps=self.local_steps, batch_size=self.batch_size, num_samples=self.num_samples,
+                           damping=float(self.damping), privacy=privacy, rounds=self.planned_rounds,
+                           tail_average=float(self.tail_average), family=self.family, rank=self.rank or None,
+                           noise_aware=bool(self.noise_aware))
+
     def check_method(self, method: str, schedule: str | None = None) -> None:
         """The settings fit ``method`` (and the server's ``schedule``, None: the method's) as they would in
         ``fit_dppvi``: one decision, the simulation's (:meth:`~numpyro_dppvi.pvi.fit_settings.FitSettings.resolve` of
-        the same method, schedule, optimiser, family and noise awareness), so that a combination is refused, or
-        accepted, the same way on one machine and across many. A refusal is worded in the node's settings
-        (:meth:`_refusal`) where those name it better."""
+        :meth:`fit_settings`), so that a combination is refused, or accepted, the same way on one machine and across
+        many. A refusal is worded in the node's settings (:meth:`_refusal`) where those name it better."""
         from ..privacy import Privacy
-        from ..pvi.fit_settings import FitSettings
-        from .local_update import optimizer
 
         if self.optimizer == "private_newton" and not 0.0 < self.learning_rate <= 1.0:
             raise SettingsError(f"optimizer='private_newton' takes learning-rate as its step, in (0, 1]; got "
                                 f"{self.learning_rate}")
         private = method in PRIVATE_METHODS  # a node's privacy is its own: any Privacy makes the method private
         try:
-            FitSettings(method=method, schedule=schedule, optimizer=optimizer(self.optimizer, self.learning_rate),
-                        family=self.family,
-                        noise_aware=True if self.noise_aware else None, batch_size=self.batch_size or 1,
-                        privacy=Privacy(noise_multiplier=1.0, delta=1e-5, clip=self.clip) if private else None)
+            self.fit_settings(method, Privacy(noise_multiplier=1.0, delta=1e-5, clip=self.clip) if private else None,
+                              schedule).resolve()
         except (ValueError, TypeError) as exc:
             raise SettingsError(self._refusal(method) or str(exc)) from exc
 
     def _refusal(self, method: str) -> str | None:
         """The node-settings wording of a combination ``fit_dppvi`` refuses (optimiser names, ``learning-rate``), or
         None to keep the simulation's."""
+        if method == "dp_optimisation" and self.batch_size is None:
+            return "method='dp_optimisation' needs batch-size > 0 (the expected batch of each DP-SGD step)"
         if method == "dp_optimisation" and self.optimizer == "newton":
             return ("method='dp_optimisation' takes optimizer 'private_newton' (fit_dppvi's default: learning-rate its "
                     "step), 'adam', 'sgd' or 'cvi' (Newton steps with exact Hessians need the data, which DP-SGD does "

@@ -157,39 +157,50 @@ def model_adapter(model, clients) -> ModelAdapter:
 def privacy_plan_and_rule(driver, sizes, dimension: int, calibrate: bool = True):
     """``(plan, rule)`` of a fit with ``driver``'s settings: the privacy plan of its method (None for a
     non-private fit; :mod:`.privacy_plan`), from the clients' public ``sizes`` and the ``dimension`` of one
-    release, and the local rule it runs (:mod:`.local`, :mod:`.full_rank`, :mod:`.low_rank`,
-    :mod:`.update_perturbation`). ``calibrate=False``: the plan's noise is left for the caller to
-    calibrate (``plan.calibrate(rounds)``; the rule does not depend on it)."""
-    a, p, plan = driver.adapter, driver.privacy, None
+    release, and the local rule it runs (:func:`local_rule`). ``calibrate=False``: the plan's noise is left for the
+    caller to calibrate (``plan.calibrate(rounds)``; the rule does not depend on it)."""
+    p, plan = driver.privacy, None
     if driver.method == "dp_optimisation":
         plan = dp_sgd_plan(p, sizes, driver.batch_size, driver.local_steps, driver.planned_rounds, dimension,
                            calibrate)
-        rule = DPOptimisation(a.log_lik_rows, a.dim, driver.optimizer, driver.local_steps, driver.batch_size,
-                              driver.num_samples, log_lik_row=a.log_lik_row_blocks, clip=p.clip,
-                              sampling=p.sampling, max_batch=plan.max_batch, blocks=a.site_sizes, chunk=plan.chunk,
-                              row_sampler=plan.row_sampler,
-                              average=driver.tail_average, family=driver.family, rank=driver.rank or 0,
-                              damping=driver.damping, average_from=(driver.planned_rounds or 1) // 2,
-                              noise_aware=driver.noise_aware)
     elif driver.method in UPDATE_METHODS:
         plan = None if p is None else shard_update_plan(p, driver.num_clients, driver.planned_rounds, dimension,
                                                         one_record_per_shard=driver.shards == ROWS,
                                                         calibrate=calibrate)
-        cls = VirtualClients if driver.method == "virtual_clients" else LocalAveraging
-        rule = cls(a.log_lik_rows, a.dim, driver.optimizer, driver.local_steps, driver.num_samples,
-                   clip=None if p is None else p.clip, damping=driver.damping, invalid=driver.invalid,
-                   precision_floor=driver.precision_floor, family=driver.family, rank=driver.rank or 0,
-                   shard_chunk=lapack_safe_chunk(a.dim, client_batch(a.dim, driver.num_clients))
-                   if driver.family in ("full_rank", "low_rank") else None)
-    else:
-        if driver.privacy_unit == "client":
-            plan = client_level_plan(p, driver.num_clients, driver.planned_rounds, driver.client_rate, dimension,
-                                     calibrate)
-        cls = {"full_rank": NonPrivateFullRank, "low_rank": NonPrivateLowRank}.get(driver.family, NonPrivate)
-        extra = {"rank": driver.rank} if driver.family == "low_rank" else {}
-        rule = cls(a.log_lik_rows, a.dim, driver.optimizer, driver.local_steps, driver.batch_size,
-                   driver.num_samples, average=driver.tail_average, **extra)
-    return plan, rule
+    elif driver.privacy_unit == "client":
+        plan = client_level_plan(p, driver.num_clients, driver.planned_rounds, driver.client_rate, dimension,
+                                 calibrate)
+    return plan, local_rule(driver, driver.adapter, plan, num_clients=driver.num_clients)
+
+
+def local_rule(settings, adapter: ModelAdapter, plan, num_clients: int = 1):
+    """The local rule (:mod:`.local`, :mod:`.full_rank`, :mod:`.low_rank`, :mod:`.update_perturbation`) that
+    ``settings`` run on ``adapter``'s model: one function for the simulation (``DPPVI``, whose attributes are the
+    settings) and the Flower nodes (a :class:`~.fit_settings.ResolvedSettings` completed by the model,
+    :func:`numpyro_dppvi.flower.local_update.make_rule`), so that the same settings make the same rule on one
+    machine and across many. ``settings`` has :class:`~.fit_settings.ResolvedSettings`' fields (``rank`` resolved
+    for a low-rank family; ``privacy`` the clip and sampling); ``plan`` is the fit's privacy plan (None without
+    one); ``num_clients`` sizes the full-rank shard chunk of the update-perturbation methods."""
+    a, s = adapter, settings
+    p = s.privacy
+    if s.method == "dp_optimisation":
+        return DPOptimisation(a.log_lik_rows, a.dim, s.optimizer, s.local_steps, s.batch_size, s.num_samples,
+                              log_lik_row=a.log_lik_row_blocks, clip=p.clip, sampling=p.sampling,
+                              max_batch=plan.max_batch, blocks=a.site_sizes, chunk=plan.chunk,
+                              row_sampler=plan.row_sampler, average=s.tail_average, family=s.family,
+                              rank=s.rank or 0, damping=s.damping, average_from=(s.planned_rounds or 1) // 2,
+                              noise_aware=s.noise_aware)
+    if s.method in UPDATE_METHODS:
+        cls = VirtualClients if s.method == "virtual_clients" else LocalAveraging
+        return cls(a.log_lik_rows, a.dim, s.optimizer, s.local_steps, s.num_samples,
+                   clip=None if p is None else p.clip, damping=s.damping, invalid=s.invalid,
+                   precision_floor=s.precision_floor, family=s.family, rank=s.rank or 0,
+                   shard_chunk=lapack_safe_chunk(a.dim, client_batch(a.dim, num_clients))
+                   if s.family in ("full_rank", "low_rank") else None)
+    cls = {"full_rank": NonPrivateFullRank, "low_rank": NonPrivateLowRank}.get(s.family, NonPrivate)
+    extra = {"rank": s.rank} if s.family == "low_rank" else {}
+    return cls(a.log_lik_rows, a.dim, s.optimizer, s.local_steps, s.batch_size, s.num_samples,
+               average=s.tail_average, **extra)
 
 
 def server_factor_step(driver):
