@@ -161,7 +161,8 @@ def test_the_noise_aware_step_is_post_processing_of_the_releases():
     coordinates, at the same noise, rates and counts). (ii) No unreleased value: replaying one update from
     its recorded releases alone (the noisy sums and their draws; no data) through the rule's own
     post-processing (``after_release``, ``trace_answer_of``) gives the rule's answer and the state the posterior
-    reads (the factor's noise and curvature, the curvature's bias and the gain's noise; to float32
+    reads (the factor's noise and curvature, the curvature's bias and the gain's noise), and the history's counts of
+    the trust region holding the answer back and of the curvature floored (to float32
     rounding, 1e-4: the replay is compiled as separate programs, whose operations XLA fuses and orders
     differently from the update's one program)."""
     x, y = regression(300)
@@ -185,7 +186,7 @@ def test_the_noise_aware_step_is_post_processing_of_the_releases():
                                             noise_aware=True)
     rule, n, key = d.rule, d.sizes[0], jax.random.key(9)
     cavity = d.adapter.prior
-    answer, state, _ = jax.jit(rule.update)(q, cavity, arrays, mask, n, key, cs)
+    answer, state, metrics = jax.jit(rule.update)(q, cavity, arrays, mask, n, key, cs)
     release, after_release = jax.jit(rule.released_draw_sums), jax.jit(rule.after_release)
     # the mechanism alone touches the data: record its releases
     probe, sums, releases, replay_cs = q, (jnp.zeros(3), jnp.zeros((3, 3)), jnp.zeros(())), [], cs
@@ -200,7 +201,11 @@ def test_the_noise_aware_step_is_post_processing_of_the_releases():
         probe, sums, (_, estimate) = after_release(probe, sums, released_cs, cavity, n, eps, draw_sums)
         estimates.append(estimate)
     stacked = jax.tree.map(lambda *xs: jnp.stack(xs), *estimates)
-    replayed, _, replayed_state = jax.jit(rule.trace_answer_of)(stacked, cavity, probe, replay_cs)
+    replayed, replayed_bound, replayed_state = jax.jit(rule.trace_answer_of)(stacked, cavity, probe, replay_cs)
+    # the history's trust_region_bound and curvature_floored (pvi.report.public_entry) are post-processing too
+    assert bool(metrics["bound"]) == bool(replayed_bound)
+    assert bool(metrics["floored"]) == bool(noise_aware.floors(replayed_state["factor_curvature"],
+                                                                rule.family == "full_rank"))
     posterior_terms = ("factor_noise", "factor_curvature", "curvature_bias", "gain_noise")
     assert float(jnp.max(jnp.abs(state["gain_noise"]))) > 0  # the replay below compares a term that is there
     for a, b in zip(jax.tree_util.tree_leaves((answer, [state[k] for k in posterior_terms])),
