@@ -70,11 +70,13 @@ def cell_name(model: str, method: str, rows: int, epsilon) -> str:
     return f"{model}:{method}:{rows}:{'none' if epsilon is None else f'{float(epsilon):g}'}"
 
 
-def settings(method: str, rows: int, epsilon) -> dict:
+def settings(method: str, rows: int, epsilon, rounds=None) -> dict:
     if method == "pvi":
         return {}
     privacy = dppvi.Privacy(epsilon=float(epsilon), delta=DELTA, public_sizes=[rows // CLIENTS] * CLIENTS)
     extra = {"batch_size": 100} if method == "dp_optimisation" else {}
+    if rounds is not None:  # --rounds: a tested alternative to the method's planned rounds
+        extra["rounds"] = int(rounds)
     return {"method": method, "privacy": privacy, **extra}
 
 
@@ -111,13 +113,14 @@ def fit_record(result, z) -> dict:
             "clipped_share": clipped}
 
 
-def run_cell(model_name: str, method: str, rows: int, epsilon, datasets: int, nuts: int, index: int) -> dict:
+def run_cell(model_name: str, method: str, rows: int, epsilon, datasets: int, nuts: int, index: int,
+             rounds=None) -> dict:
     zoo = Z.ZOO[model_name]
     covariates = Z.client_covariates(model_name, rows, CLIENTS)
     start = time.perf_counter()
     with warnings.catch_warnings():
         warnings.simplefilter("ignore")
-        report = dppvi.calibration_check(zoo.model, covariates, settings(method, rows, epsilon),
+        report = dppvi.calibration_check(zoo.model, covariates, settings(method, rows, epsilon, rounds),
                                          num_datasets=datasets, rng_key=jax.random.key(index),
                                          simulate=zoo.simulate)
     seconds = time.perf_counter() - start
@@ -150,7 +153,7 @@ def run_cell(model_name: str, method: str, rows: int, epsilon, datasets: int, nu
            "flagged": int(flagged.sum()), "cover90_unflagged": within(0.9), "cover50_unflagged": within(0.5),
            "precision_rules": {rule: sum(f.get("precision_rule") == rule for f in fits)
                                for rule in {f.get("precision_rule") for f in fits} if rule is not None},
-           "fits": fits, "seconds": round(seconds, 1)}
+           "fits": fits, "seconds": round(seconds, 1), **({} if rounds is None else {"rounds": int(rounds)})}
     if method == "pvi" and nuts:
         gaps = [round(nuts_gap(zoo.model, report.data[k], report.results[k]), 3)
                 for k in range(min(nuts, datasets)) if report.results[k] is not None]
@@ -216,6 +219,9 @@ def main() -> None:
     parser.add_argument("--datasets", type=int, default=20)
     parser.add_argument("--nuts", type=int, default=3, help="NUTS references of the pvi cells (data sets)")
     parser.add_argument("--jobs", type=int, default=1)
+    parser.add_argument("--rounds", type=int, default=None,
+                        help="planned rounds of the private cells instead of the method's (a tested alternative: write "
+                             "it elsewhere with --out)")
     parser.add_argument("--cell", help="internal: run one cell (model:method:rows:epsilon) and print its JSON")
     parser.add_argument("--out", default=None)
     args = parser.parse_args()
@@ -224,10 +230,11 @@ def main() -> None:
         index = [cell_name(*c) for c in cells(argparse.Namespace(
             models=list(Z.ZOO), methods=list(METHODS), rows=list(ROWS), epsilons=list(EPSILONS)))].index(args.cell)
         part = run_cell(model, method, int(rows), None if epsilon == "none" else float(epsilon), args.datasets,
-                        args.nuts, index)
+                        args.nuts, index, args.rounds)
         print("CELL " + json.dumps(part), flush=True)
         return
-    command = [sys.executable, __file__, "--datasets", str(args.datasets), "--nuts", str(args.nuts), "--cell"]
+    command = [sys.executable, __file__, "--datasets", str(args.datasets), "--nuts", str(args.nuts)] + (
+        [] if args.rounds is None else ["--rounds", str(args.rounds)]) + ["--cell"]
 
     def one(name):
         done = subprocess.run(command + [name], stdout=subprocess.PIPE, text=True)
