@@ -234,8 +234,9 @@ def run_cell(method: str, epsilon, n: int, count: int, clipping: str = "default"
                     flagged += result.calibrated is False
                     if (result.calibration or {}).get("clip_saturation") is not None:
                         saturation.append(result.calibration["clip_saturation"])
-                    if late_clipped_share(result.history) is not None:
-                        clipped.append(late_clipped_share(result.history)["share"])
+                    share = late_clipped_share(result.history)
+                    if share is not None:
+                        clipped.append(share["share"])
         except dppvi.FitDiverged:
             diverged += 1
             continue

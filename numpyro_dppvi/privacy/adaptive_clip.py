@@ -45,6 +45,10 @@ def _is_number(value) -> bool:
     return isinstance(value, (int, float)) and not isinstance(value, bool)
 
 
+#: The std of the noisy fraction below which :attr:`AdaptiveClip.noise_scaled_rate` keeps the full step.
+FRACTION_NOISE = 0.1
+
+
 @dataclass(frozen=True)
 class AdaptiveClip:
     """Adaptive clipping settings for :class:`~numpyro_dppvi.privacy.config.Privacy`.
@@ -71,7 +75,7 @@ class AdaptiveClip:
     learning_rate: float = 0.2
     count_budget_fraction: float = 0.01
     noise_scaled_rate: bool = False
-    fraction_noise: float = 0.1
+    fraction_noise: float = FRACTION_NOISE
 
     def __post_init__(self):
         for name, low, high in (
@@ -184,10 +188,6 @@ def adaptive_clip_events(
     ]
 
 
-#: The std of the noisy fraction below which :attr:`AdaptiveClip.noise_scaled_rate` keeps the full step.
-FRACTION_NOISE = 0.1
-
-
 def adaptive_clip_init(
     clip: float,
     expected_batch_size: float,
@@ -195,7 +195,7 @@ def adaptive_clip_init(
     target_quantile: float = 0.5,
     learning_rate: float = 0.2,
     noise_scaled_rate: bool = False,
-    fraction_noise: float = None,
+    fraction_noise: float = FRACTION_NOISE,
 ) -> AdaptiveClipState:
     """Initial state of adaptive clipping.
 
@@ -212,8 +212,7 @@ def adaptive_clip_init(
         :data:`FRACTION_NOISE`.
     """
     if noise_scaled_rate:
-        bound = FRACTION_NOISE if fraction_noise is None else fraction_noise
-        learning_rate = learning_rate * min(1.0, bound * expected_batch_size / count_noise_std)
+        learning_rate = learning_rate * min(1.0, fraction_noise * expected_batch_size / count_noise_std)
     for name, value in (("clip", clip), ("expected_batch_size", expected_batch_size),
                         ("count_noise_std", count_noise_std), ("learning_rate", learning_rate)):
         if isinstance(value, (int, float)) and not (math.isfinite(value) and value > 0):

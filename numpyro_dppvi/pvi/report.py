@@ -165,7 +165,7 @@ def public_entry(driver, state, metrics, seconds) -> tuple[dict, dict]:
         summary = release_saturation.round_summary(metrics["saturation"], metrics["saturation_sd"])
         if summary is not None:
             entry["clip_saturation"], entry["clip_saturation_se"] = (round(v, 4) for v in summary)
-    clip = getattr(state.client_state, "get", lambda _: None)("clip")
+    clip = state.client_state.get("clip") if isinstance(state.client_state, dict) else None
     if clip is not None and not client_level:  # the adaptive clip and its released counts' running sums
         entry["adaptive_clip"] = {"clip": np.round(np.asarray(clip.clip, float), 5).tolist(),
                                   "below_sum": np.asarray(clip.below_sum, float).round(4).tolist(),
