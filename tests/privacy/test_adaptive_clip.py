@@ -189,3 +189,28 @@ def test_settings_validation(kwargs, match):
         AdaptiveClip(**kwargs)
     with pytest.raises(ValueError, match="clip"):
         adaptive_clip_init(0.0, 10, 1.0)
+
+
+def test_a_fit_publishes_its_adaptive_clip_record_and_a_saved_result_keeps_it(tmp_path):
+    """The history's ``adaptive_clip`` (``pvi.report.public_entry``): one clip, running sum and release count per
+    client after every round; the counts are the plan's steps (private Newton's 20 a participation, sequential
+    rounds: every client each round), the clips those the clients' states hold, and the record reads back from a
+    saved result unchanged (the attack tests treat it as moving with the releases, so they cannot show it is there)."""
+    import numpyro_dppvi as dppvi
+    from numpyro_dppvi.example_models import logistic_regression
+
+    rng = np.random.default_rng(0)
+    x = rng.normal(size=(400, 2)).astype(np.float32)
+    y = (rng.random(400) < 0.5).astype(np.float32)
+    result = dppvi.fit_dppvi(logistic_regression, [(x[:200], y[:200]), (x[200:], y[200:])], method="dp_optimisation",
+                             batch_size=50, rounds=3, privacy=Privacy(epsilon=1.0, public_sizes=[200, 200]),
+                             rng_key=jax.random.key(0))
+    records = [entry["adaptive_clip"] for entry in result.history]
+    assert [r["releases"] for r in records] == [[20 * k, 20 * k] for k in (1, 2, 3)]
+    assert all(len(r["clip"]) == 2 and min(r["clip"]) > 0 for r in records)
+    assert records[-1]["clip"] != records[0]["clip"]  # the clip moved with the released counts
+    share, se = clipped_share(np.array(records[-1]["below_sum"]), np.array(records[-1]["releases"]), 1.0, 50.0)
+    assert np.all((share > -1) & (share < 1)) and np.all(se > 0)
+    result.save(tmp_path / "fit.npz")
+    loaded = dppvi.load(tmp_path / "fit.npz", logistic_regression)
+    assert [entry["adaptive_clip"] for entry in loaded.history] == records
